@@ -174,3 +174,282 @@ def test_reward_optional_modes():
     assert reward.compute_score("it is 1,234 apples", "1234", "last_number") == 1.0
     assert reward.compute_score("3 then -7", "-7", "last_number") == 1.0
     assert reward.compute_score("it is 1,234 apples", "1234") == -1.0
+
+
+def test_reward_never_runs_model_output(tmp_path):
+    """The reward is string matching only: guards against an eval()/sympy
+    path that would execute text the model wrote."""
+    marker = tmp_path / "pwned"
+    text = f"Answer: __import__('os').system('touch {marker}')"
+    assert reward.compute_score(text, "5") == -1.0
+    assert not marker.exists()
+
+
+# =============================================================================
+# dapo.py: formulas against hand-computed values
+# =============================================================================
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+import dapo  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+os.chdir(ROOT)  # the presets name paths relative to the repository root
+
+
+def test_overlong_penalty_hand_values():
+    """Eq. 13 with L_max = 20, L_cache = 4: guards against an off-by-one at
+    the buffer edges and a penalty that keeps growing past L_max."""
+    expect = {10: 0.0, 16: 0.0, 17: -0.25, 18: -0.5, 20: -1.0, 25: -1.0}
+    for length, value in expect.items():
+        assert dapo.overlong_penalty(length, 20, 4) == pytest.approx(value)
+    assert dapo.overlong_penalty(17, 20, 4, factor=2.0) == pytest.approx(-0.5)
+    assert dapo.overlong_penalty(25, 20, 0) == 0.0  # buffer 0 turns it off
+    t = dapo.overlong_penalty(torch.tensor([16.0, 18.0, 30.0]), 20, 4)
+    assert torch.allclose(t, torch.tensor([0.0, -0.5, -1.0]))
+
+
+def test_group_advantages_hand_values():
+    """Eq. 9 with the unbiased std: [1, -1, -1, -1] has mean -0.5 and std 1,
+    so advantages are [1.5, -0.5, -0.5, -0.5]. Guards against the biased std
+    (which gives 0.866) and against normalising over the whole batch."""
+    r = torch.tensor([1.0, -1.0, -1.0, -1.0, 3.0, 1.0, 1.0, 3.0])
+    adv = dapo.group_advantages(r, 4, eps=0.0)
+    s = math.sqrt(4 / 3)  # second group: mean 2, unbiased std sqrt(4/3)
+    assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5, 1 / s, -1 / s, -1 / s, 1 / s]))
+    assert dapo.group_advantages(torch.ones(4), 4).abs().max() == 0  # equal rewards: 0, not NaN
+
+
+def test_dynamic_sampling_mask_hand_values():
+    """Eq. 11 keeps 0 < #correct < G: guards against keeping all-correct
+    groups, or judging by the shaped reward."""
+    correct = torch.tensor([1, 1, 0, 0, 1, 0, 0, 1], dtype=torch.bool)
+    assert dapo.dynamic_sampling_mask(correct, 2).tolist() == [False, False, True, True]
+
+
+def test_policy_loss_hand_values():
+    """Eq. 10 clipping and the dual clip, one token each:
+    ratio 1.5, A=+1: clipped at 1.28 -> loss -1.28 (Clip-Higher);
+    ratio 0.5, A=-1: clipped at 0.8 -> objective min(-0.5, -0.8) = -0.8 -> loss 0.8;
+    ratio 1.0, A=+2: loss -2;  ratio 20, A=-1: min(-20, -1.28) = -20, dual clip
+    max(-20, -10) -> loss 10. Token-level mean: (-1.28 + 0.8 - 2 + 10) / 4."""
+    ratio = torch.tensor([[1.5], [0.5], [1.0], [20.0]])
+    old = torch.zeros(4, 1)
+    adv = torch.tensor([1.0, -1.0, 2.0, -1.0])
+    mask = torch.ones(4, 1)
+    loss, low, high = dapo.policy_loss(ratio.log(), old, adv, mask, 0.2, 0.28, 10.0, True, 4, 4)
+    assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 10) / 4, rel=1e-5)
+    assert (low, high) == (1, 1)  # ratio 0.5 with A < 0 clipped low, 1.5 with A > 0 high
+    # without dual clip the last token's loss is 20
+    loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, 0.2, 0.28, 0.0, True, 4, 4)
+    assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 20) / 4, rel=1e-5)
+    # symmetric clip (Clip-Higher off): the first token is capped at 1.2
+    loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, 0.2, 0.2, 10.0, True, 4, 4)
+    assert loss.item() == pytest.approx((-1.2 + 0.8 - 2 + 10) / 4, rel=1e-5)
+
+
+def test_token_level_vs_sample_level_hand_values():
+    """Eq. 12 vs Eq. 5: sample A (1 token, A=+1) and sample B (3 tokens, A=-1)
+    at ratio 1. Token-level: (-1 + 3) / 4 = 0.5; sample-level: (-1/1 + 3/3) / 2
+    = 0. Guards against the two modes being swapped or the same."""
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
+    adv = torch.tensor([1.0, -1.0])
+    tok, *_ = dapo.policy_loss(logp, logp, adv, mask, 0.2, 0.28, 10.0, True, 4, 2)
+    smp, *_ = dapo.policy_loss(logp, logp, adv, mask, 0.2, 0.28, 10.0, False, 4, 2)
+    assert tok.item() == pytest.approx(0.5)
+    assert smp.item() == pytest.approx(0.0)
+
+
+# --- a tiny random Llama with SmolLM2's tokenizer, built once per session ---
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Hugging Face folder of a 2-layer Llama (vLLM loads it too)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    dapo.ensure_demo_model(dapo.PRESETS["cpu"]["model"])  # converts the shipped GGUF once
+    path = os.path.join(ROOT, "models", "tiny-llama")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tok = AutoTokenizer.from_pretrained(dapo.PRESETS["cpu"]["model"])
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                          max_position_embeddings=1024, tie_word_embeddings=True,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        model.save_pretrained(path + ".tmp")
+        tok.save_pretrained(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def _grad_rows():
+    """12 samples of 3 groups with varied lengths, advantages and one
+    truncated (weight 0) sample, so every normalisation mistake shows."""
+    g = torch.Generator().manual_seed(1)
+    groups = []
+    for gi in range(3):
+        prompt = torch.randint(10, 1000, (5 + 3 * gi,), generator=g).tolist()
+        samples = []
+        for si in range(4):
+            n = int(torch.randint(2, 14, (1,), generator=g))
+            ids = torch.randint(10, 1000, (n,), generator=g).tolist()
+            samples.append(dict(ids=ids, prompt_ids=prompt, adv=float(torch.randn(1, generator=g)),
+                                weight=0.0 if (gi, si) == (1, 2) else 1.0,
+                                engine_logp=[0.0] * n, finish="stop"))
+        groups.append(dict(idx=gi, prompt_ids=prompt, samples=samples))
+    return groups
+
+
+def _unsplit_plan(groups):
+    rows = [s for g in groups for s in g["samples"]]
+    return dict(micro=[rows], n_tokens=sum(r["weight"] * len(r["ids"]) for r in rows),
+                n_samples=sum(r["weight"] > 0 for r in rows))
+
+
+def _grads(model, plan, cfg, world=1):
+    from transformers import AutoTokenizer  # noqa: F401
+    model.zero_grad(set_to_none=True)
+    d = dict(world=world, rank=0, device=torch.device("cpu"))
+    # old_logp: a policy that moved a little, so clipping is active somewhere
+    for mb in [plan]:
+        for rows in mb["micro"]:
+            for r in rows:
+                r["old_logp"] = torch.full((len(r["ids"]),), -7.0)
+    dapo.accumulate_grads(model, plan, cfg, d, 0, {})
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel_err(a, b):
+    num = sum(((a[k] - b[k]) ** 2).sum() for k in a).sqrt()
+    return (num / sum((b[k] ** 2).sum() for k in b).sqrt()).item()
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_micro_batch_split_matches_unsplit(tiny_model, token_level):
+    """1 micro-batch vs 4: the gradient is the same, for both loss modes.
+    A per-micro-batch normalisation (the bug in several frameworks) is shown
+    to differ, so the comparison has the power to catch it."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    cfg = dapo.Config(bf16=False, token_level_loss=token_level)
+    groups = _grad_rows()
+    whole = _grads(model, _unsplit_plan(groups), cfg)
+    plan = _unsplit_plan(groups)
+    rows = plan["micro"][0]
+    plan["micro"] = [rows[0:2], rows[2:7], rows[7:8], rows[8:]]
+    split = _grads(model, plan, cfg)
+    assert _rel_err(split, whole) < 1e-5
+    wrong = dict(plan)  # deliberately wrong: each micro-batch normalised by itself
+    parts = []
+    for rows in plan["micro"]:
+        parts.append(_grads(model, dict(micro=[rows], n_tokens=sum(r["weight"] * len(r["ids"]) for r in rows),
+                                        n_samples=sum(r["weight"] > 0 for r in rows)), cfg))
+    wrong = {k: sum(p[k] for p in parts) / len(parts) for k in whole}
+    assert _rel_err(wrong, whole) > 1e-3
+
+
+def _env():
+    """Subprocess environment: no torchrun variables leaking in, quiet vLLM."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DAPO_FAULT")}
+    env.update(VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    return env
+
+
+def _torchrun(n, *args, timeout=300, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+           "--master_port", str(_free_port()), *args]
+    p = subprocess.run(cmd, env=env or _env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_two_ranks_match_one_rank(tiny_model, tmp_path, token_level):
+    """FSDP2 on 2 ranks x 2 micro-batches each gives the 1-rank, 1-micro-batch
+    gradient: guards against per-rank normalisation and against FSDP2's
+    gradient averaging rescaling the loss a second time."""
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "grads.pt"
+    _torchrun(2, __file__, "grads", tiny_model, str(out), str(int(token_level)))
+    got = torch.load(out)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    whole = _grads(model, _unsplit_plan(_grad_rows()), dapo.Config(bf16=False, token_level_loss=token_level))
+    assert got["micro_per_rank"] >= 2
+    assert _rel_err(got["grads"], whole) < 1e-5
+
+
+def _worker_grads(model_dir, out, token_level):
+    from transformers import AutoModelForCausalLM
+    cfg = dapo.Config(bf16=False, token_level_loss=bool(int(token_level)), micro_batch_tokens=60)
+    d = dapo.init_distributed(cfg)
+    model = dapo.shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg, d)
+    plan = dapo.plan_updates(_grad_rows(), cfg, d)
+    assert len(plan) == 1
+    for rows in plan[0]["micro"]:
+        for r in rows:
+            r["old_logp"] = torch.full((len(r["ids"]),), -7.0)
+    dapo.accumulate_grads(model, plan[0], cfg, d, 0, {})
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # collective
+    if d["rank"] == 0:
+        torch.save(dict(grads=grads, micro_per_rank=len(plan[0]["micro"])), out)
+    torch.distributed.destroy_process_group()
+
+
+def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
+    """After push_weights the engine's log-probs of its own samples equal the
+    trainer's; before the push (trainer weights changed) they do not. Guards
+    against an engine that silently keeps sampling from stale weights."""
+    out = tmp_path / "push.json"
+    _torchrun(1, __file__, "push", tiny_model, str(out))
+    r = json.loads(out.read_text())
+    assert r["gap_start"] < 1e-3  # same weights at start
+    assert r["gap_stale"] > 0.1  # trainer moved, engine not yet pushed
+    assert r["gap_pushed"] < 1e-3  # pushed: engine matches the trainer again
+
+
+def _worker_push(model_dir, out):
+    cfg = dapo.Config(model=model_dir, bf16=False, engine_kv_cache_gb=0.25, max_prompt_len=64,
+                      max_response_len=16)
+    d = dapo.init_distributed(cfg)
+    tok, model = dapo.load_policy(cfg, d)
+    engine = dapo.make_engine(cfg, d, model_dir)
+    model = dapo.shard(model, cfg, d)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+
+    def gap():
+        outs = dapo.generate(engine, None, tok, prompts, 4, 12, 1.0, 1.0)
+        rows = [dict(s, prompt_ids=p, weight=1.0, adv=0.0) for p, g in zip(prompts, outs) for s in g]
+        ids, attn, pos, resp, mask, elogp, adv, rmask = dapo.collate(rows, tok.pad_token_id, d["device"])
+        with torch.no_grad():
+            logp, _ = dapo.token_logp(model, ids, attn, pos, resp.shape[1], 1.0)
+        return (((logp - elogp).abs() * rmask).sum() / rmask.sum()).item()
+
+    result = dict(gap_start=gap())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    result["gap_stale"] = gap()
+    dapo.push_weights(model, engine, cfg.bf16)
+    result["gap_pushed"] = gap()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":  # workers for the multi-process tests above
+    {"grads": _worker_grads, "push": _worker_push}[sys.argv[1]](*sys.argv[2:])
