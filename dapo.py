@@ -912,11 +912,11 @@ def main(argv=None):
             kept, metrics = collect_groups(cfg, d, train_set, state, sample)
             metrics["step"] = step
             sleep(engine, cfg, d)
+            metrics["loss/lr"] = sched.get_last_lr()[0]
             if kept:
                 # 3. Group advantages (Eq. 9), old log-probs, clipped token-level updates (Eq. 8, 10, 12).
                 _fault_point("step", step)
                 groups = prepare_samples(kept, cfg)
-                metrics["loss/lr"] = sched.get_last_lr()[0]
                 metrics.update(train_step(model, optim, plan_updates(groups, cfg, d), cfg, d, tok))
                 bad_updates = check_finite(bad_updates, metrics.pop("grad_norms"), step)
             sched.step()

@@ -283,6 +283,8 @@ def tiny_model():
                           pad_token_id=tok.pad_token_id)
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
+        with torch.no_grad():  # a loud EOS row: responses stop at varied lengths, so
+            model.model.embed_tokens.weight[tok.eos_token_id] = torch.randn(128) * 0.45  # advantages vary
         model.save_pretrained(path + ".tmp")
         tok.save_pretrained(path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -449,6 +451,122 @@ def _worker_push(model_dir, out):
     with open(out, "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()
+
+
+def _tiny_args(model, out, *extra):
+    return ["--preset", "cpu", "--model", model, "--out_dir", str(out), "--steps", "2",
+            "--prompts_per_step", "4", "--group_size", "4", "--gen_prompts_per_round", "4",
+            "--max_gen_rounds", "1", "--max_response_len", "16", "--overlong_buffer_len", "4",
+            "--mini_batch_prompts", "2", "--micro_batch_tokens", "512", "--eval_every", "0",
+            "--save_every", "0", "--engine_kv_cache_gb", "0.25", "--bf16", "false",
+            "--dynamic_sampling", "false", *extra]
+
+
+def _run(args, timeout=300, env=None, check=True):
+    p = subprocess.run([sys.executable, "dapo.py", *args], env=env or _env(), capture_output=True,
+                       text=True, timeout=timeout, cwd=ROOT)
+    if check:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+KEYS = ["reward/accuracy", "loss/entropy", "rollout/response_len_mean", "rollout/response_len_max",
+        "rollout/truncated_frac", "reward/overlong_penalty", "loss/clip_frac_low", "loss/clip_frac_high",
+        "dynamic_sampling/rounds", "dynamic_sampling/kept_frac", "rollout/engine_logp_gap",
+        "loss/grad_norm", "loss/lr", "perf/rollout_s", "perf/old_logp_s", "perf/update_s", "perf/push_s",
+        "perf/update_tokens_per_s", "perf/rollout_tokens_per_s", "perf/padding_frac"]
+
+
+def test_end_to_end_vllm_one_rank(tiny_model, tmp_path):
+    """Two full steps through vLLM on CPU under plain `python`, two updates a
+    step (so the old-log-prob pass runs): guards against the loop breaking
+    anywhere between rollout and weight push, and against a stale engine."""
+    _run(_tiny_args(tiny_model, tmp_path))
+    ms = _metrics(tmp_path)
+    assert [m["step"] for m in ms] == [1, 2]
+    for m in ms:
+        assert all(k in m for k in KEYS), sorted(set(KEYS) - set(m))
+        assert m["rollout/engine_logp_gap"] < 1e-3  # fp32 engine: the pushed weights are used
+        assert m["perf/old_logp_s"] > 0
+    assert json.load(open(tmp_path / "config.json"))["group_size"] == 4
+
+
+def test_end_to_end_transformers_fallback(tiny_model, tmp_path):
+    """The same loop with transformers generate instead of vLLM."""
+    _run(_tiny_args(tiny_model, tmp_path, "--rollout_engine", "hf", "--steps", "1"))
+    (m,) = _metrics(tmp_path)
+    assert m["rollout/engine_logp_gap"] < 1e-3 and m["loss/grad_norm"] >= 0
+
+
+def test_end_to_end_two_ranks_with_eval(tiny_model, tmp_path):
+    """torchrun with 2 ranks, vLLM on each, eval split over ranks: guards
+    against ranks that disagree on kept groups (a hang), stale engines, and
+    eval totals that count a problem twice or miss one."""
+    _torchrun(2, "dapo.py", *_tiny_args(tiny_model, tmp_path, "--eval_every", "2", "--eval_k", "2"))
+    ms = _metrics(tmp_path)
+    assert [m["step"] for m in ms] == [1, 2]
+    assert all(m["rollout/engine_logp_gap"] < 1e-3 for m in ms)
+    with open(tmp_path / "eval_step000002.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert sorted(r["idx"] for r in rows) == list(range(32))
+    assert ms[-1]["eval/problems"] == 32
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "hf", "model.safetensors"))
+
+
+@pytest.mark.parametrize("fault", ["save:2", "step:3"])
+def test_resume_after_kill_matches_uninterrupted(tiny_model, tmp_path, fault):
+    """SIGKILL in the middle of a checkpoint save, or of a step, then
+    --resume: the last complete checkpoint is intact, and the run continues
+    exactly as the uninterrupted one (same prompts, lr and, with the
+    transformers engine whose sampling RNG is checkpointed, same weights)."""
+    args = ["--rollout_engine", "hf", "--steps", "3", "--save_every", "1", "--keep_checkpoints", "3",
+            "--warmup_steps", "4"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(_tiny_args(tiny_model, a, *args))
+    p = _run(_tiny_args(tiny_model, b, *args), env=dict(_env(), DAPO_FAULT=fault), check=False)
+    assert p.returncode != 0  # killed
+    ckpt = sorted(os.listdir(b / "ckpt"))
+    assert ckpt == (["step_000001", "step_000002.tmp"] if fault == "save:2" else ["step_000001", "step_000002"])
+    last = ckpt[-1] if fault == "step:3" else ckpt[0]
+    for k, v in _weights(b / "ckpt" / last).items():  # the checkpoint left behind is intact
+        assert torch.equal(v, _weights(a / "ckpt" / last)[k])
+    _run(_tiny_args(tiny_model, b, *args, "--resume", "true"))
+    ma = {m["step"]: m for m in _metrics(a)}
+    mb = {m["step"]: m for m in _metrics(b)}  # the killed run's lines, then the resumed run's
+    for step in (2, 3):
+        assert mb[step]["data/prompt_idx"] == ma[step]["data/prompt_idx"]
+        assert mb[step]["loss/lr"] == ma[step]["loss/lr"]
+    wa, wb = _weights(a / "ckpt" / "step_000003"), _weights(b / "ckpt" / "step_000003")
+    assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
+    assert not any(n.endswith(".tmp") for n in os.listdir(b / "ckpt"))
+
+
+def test_keep_last_checkpoints(tiny_model, tmp_path):
+    """keep_checkpoints=2 with 3 saves leaves the last two, all complete."""
+    _run(_tiny_args(tiny_model, tmp_path, "--rollout_engine", "hf", "--steps", "3", "--save_every", "1",
+                    "--keep_checkpoints", "2"))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_000002", "step_000003"]
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "step_000003" / "hf")  # loadable
+
+
+def test_eval_only(tiny_model, tmp_path):
+    """--eval_only prints avg@k and pass@k and writes per-problem results."""
+    p = _run(["--preset", "cpu", "--model", tiny_model, "--out_dir", str(tmp_path), "--eval_only",
+              "--eval_k", "2", "--max_response_len", "8", "--overlong_buffer_len", "2",
+              "--engine_kv_cache_gb", "0.25"])
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["eval/problems"] == 32 and 0 <= result["eval/avg@2"] <= result["eval/pass@2"] <= 1
+    assert len((tmp_path / "eval_step000000.jsonl").read_text().splitlines()) == 32
 
 
 if __name__ == "__main__":  # workers for the multi-process tests above
