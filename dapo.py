@@ -137,7 +137,7 @@ PRESETS = {  # the paper's Table 1 rows, cumulative as in the table, and the CPU
 def parse_config(argv=None):
     """Defaults < preset < explicit flags. Validated before any model loads."""
     argv = sys.argv[1:] if argv is None else argv
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", choices=sorted(PRESETS), default=None)
     known, _ = pre.parse_known_args(argv)
     preset = known.preset
@@ -145,7 +145,7 @@ def parse_config(argv=None):
         preset = "cpu"
         print("dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo); "
               "pass --preset dapo to override", flush=True)
-    parser = argparse.ArgumentParser(description="DAPO (arXiv 2503.14476)")
+    parser = argparse.ArgumentParser(description="DAPO (arXiv 2503.14476)", allow_abbrev=False)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=preset,
                         help="named overrides: " + ", ".join(sorted(PRESETS)))
     overrides = PRESETS[preset or "dapo"]

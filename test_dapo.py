@@ -569,5 +569,217 @@ def test_eval_only(tiny_model, tmp_path):
     assert len((tmp_path / "eval_step000000.jsonl").read_text().splitlines()) == 32
 
 
+# --- dynamic sampling rounds, with a scripted sampler ---
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A 1-rank gloo group in the test process (collect_groups gathers)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return dict(rank=0, world=1, dp_rank=0, n_dp=1, tp_rank=0, device=torch.device("cpu"))
+
+
+def _scripted(n_correct, G):
+    """A sampler whose k-th prompt (in stream order) gets n_correct(k) correct samples."""
+    seen = []
+
+    def sample(prompts):
+        out = []
+        for p in prompts:
+            k = len(seen)
+            seen.append(p)
+            out.append(dict(idx=p["idx"], prompt_ids=p["prompt_ids"], samples=[
+                dict(ids=[1] * 3, finish="stop", engine_logp=[0.0] * 3,
+                     score=1.0 if j < n_correct(k) else -1.0, penalty=0.0) for j in range(G)]))
+        return out
+    return sample
+
+
+DATA = [dict(idx=i, prompt_ids=[i + 1], answer="1") for i in range(50)]
+
+
+def test_dynamic_sampling_fills_then_trims(one_rank):
+    """Half the prompts are informative: 3 rounds of 4 prompts give 6 kept
+    groups; the batch takes 5 and trims the surplus. Guards against training
+    on all-equal groups and against keeping more than B."""
+    cfg = dapo.Config(prompts_per_step=5, group_size=4, gen_prompts_per_round=4, max_gen_rounds=10)
+    state = dict(data_pos=0)
+    kept, m = dapo.collect_groups(cfg, one_rank, DATA, state, _scripted(lambda i: 2 if i % 2 else 4, 4))
+    assert len(kept) == 5 and m["dynamic_sampling/rounds"] == 3 and state["data_pos"] == 12
+    assert all(0 < sum(s["score"] > 0 for s in g["samples"]) < 4 for g in kept)
+    assert m["dynamic_sampling/kept_frac"] == pytest.approx(5 / 12)
+
+
+def test_dynamic_sampling_round_cap_trains_on_what_it_has(one_rank):
+    """The cap is hit with too few groups: warn and return them; with none
+    at all, warn and return nothing. Never crash (the bug in some peers)."""
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_prompts_per_round=4, max_gen_rounds=2)
+    with pytest.warns(UserWarning, match="kept 2 of 8 groups in 2 rounds; training on those"):
+        kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0),
+                                      _scripted(lambda i: 1 if i in (0, 5) else 0, 4))
+    assert len(kept) == 2 and m["dynamic_sampling/kept_groups"] == 2
+    with pytest.warns(UserWarning, match="skipping the update"):
+        kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0), _scripted(lambda i: 0, 4))
+    assert kept == [] and m["reward/accuracy"] == 0.0
+
+
+def test_dynamic_sampling_off_keeps_everything(one_rank):
+    """With dynamic sampling off one round of exactly B prompts is trained,
+    all-equal groups included (naive GRPO's behaviour)."""
+    cfg = dapo.Config(prompts_per_step=4, group_size=2, gen_prompts_per_round=16, dynamic_sampling=False)
+    kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0), _scripted(lambda i: 0, 2))
+    assert len(kept) == 4 and m["dynamic_sampling/rounds"] == 1
+
+
+def test_prepare_samples_shaped_reward_and_overlong_filter():
+    """Advantages use score + Eq. 13 penalty; overlong filtering zeroes the
+    loss weight of truncated samples only, and only when switched on."""
+    group = dict(idx=0, prompt_ids=[1], samples=[
+        dict(ids=[1], finish="stop", score=1.0, penalty=0.0, engine_logp=[0.0]),
+        dict(ids=[1], finish="length", score=-1.0, penalty=-1.0, engine_logp=[0.0])])
+    (g,) = dapo.prepare_samples([group], dapo.Config(group_size=2, overlong_filter=True))
+    std = math.sqrt(((1 - -0.5) ** 2 + (-2 - -0.5) ** 2) / 1)  # rewards 1 and -2
+    assert g["samples"][0]["adv"] == pytest.approx(1.5 / std, rel=1e-5)
+    assert [s["weight"] for s in g["samples"]] == [1.0, 0.0]
+    (g,) = dapo.prepare_samples([group], dapo.Config(group_size=2, overlong_filter=False))
+    assert [s["weight"] for s in g["samples"]] == [1.0, 1.0]
+
+
+def test_data_order_is_deterministic_and_world_size_free():
+    """The prompt stream depends on the seed and position only; a resumed run
+    asking from the same position gets the same prompts."""
+    a = [e["idx"] for e in dapo.take_prompts(DATA, 0, 120, seed=3)]
+    assert a[:50] != list(range(50)) and sorted(a[:50]) == list(range(50))  # a shuffled epoch
+    assert [e["idx"] for e in dapo.take_prompts(DATA, 70, 50, seed=3)] == a[70:120]
+    assert a != [e["idx"] for e in dapo.take_prompts(DATA, 0, 120, seed=4)]
+
+
+# --- bad input: clear errors that name what is wrong ---
+
+@pytest.mark.parametrize("row,message", [
+    ({"answer": "1"}, "row 7: missing field 'prompt'"),
+    ({"prompt": "What?"}, "row 7: missing field 'answer'"),
+    ({"prompt": "What?", "answer": " "}, "row 7: field 'answer' must be a non-empty string"),
+    ({"prompt": 5, "answer": "1"}, "row 7: field 'prompt' must be a string or a list of chat messages"),
+    ({"prompt": [{"role": "user", "content": "q"}]}, "row 7: missing field 'reward_model.ground_truth'"),
+    ({"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": ""}},
+     "row 7: field 'reward_model.ground_truth' must be a non-empty string"),
+])
+def test_bad_rows_name_row_and_field(row, message):
+    """Guards against a KeyError deep inside the loop, hours into a run."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dapo.parse_row(row, 7)
+
+
+def test_both_row_shapes_parse():
+    messages, answer = dapo.parse_row({"prompt": "q?", "answer": 12}, 0)
+    assert messages == [{"role": "user", "content": "q?"}] and answer == "12"
+    messages, answer = dapo.parse_row({"prompt": [{"role": "user", "content": "q"}],
+                                       "reward_model": {"ground_truth": "3", "style": "rule"}}, 0)
+    assert answer == "3"
+
+
+def test_empty_dataset_after_filtering_names_the_filters(tiny_model, tmp_path):
+    """Duplicates are dropped (the hub copy repeats prompts ~100x) and an
+    empty result names the filter that emptied it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n" for _ in range(3)))
+    ex = dapo.load_examples(str(path), tok, 256, dedup=True)
+    assert len(ex) == 1
+    assert len(dapo.load_examples(str(path), tok, 256, dedup=False)) == 3
+    with pytest.raises(SystemExit, match="max_prompt_len=5 dropped 1 of 3"):
+        dapo.load_examples(str(path), tok, 5, dedup=True)
+    with pytest.raises(SystemExit, match="does not exist"):
+        dapo.load_examples(str(tmp_path / "missing.jsonl"), tok, 256, dedup=True)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--eps_high", "0.1"], "eps_high (0.1) must be >= eps_low (0.2)"),
+    (["--group_size", "1"], "group_size must be >= 2"),
+    (["--mini_batch_prompts", "30"], "mini_batch_prompts (30) must divide prompts_per_step (512)"),
+    (["--overlong_buffer_len", "30000"], "overlong_buffer_len must be in [0, max_response_len=20480)"),
+    (["--micro_batch_tokens", "100"], "micro_batch_tokens (100) must hold one full sequence"),
+    (["--reward_mode", "sympy"], "reward_mode must be one of ['answer', 'boxed', 'last_number']"),
+    (["--top_p", "0"], "top-p in (0, 1]"),
+])
+def test_bad_config_values_fail_before_loading(flags, message):
+    """Validation runs in parse_config, before any model or engine loads."""
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        dapo.parse_config(["--preset", "dapo", *flags])
+
+
+def test_unknown_preset_or_flag_lists_choices(capsys):
+    with pytest.raises(SystemExit):
+        dapo.parse_config(["--preset", "ppo"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'ppo'" in err and "grpo+clip_higher" in err
+    with pytest.raises(SystemExit):  # abbreviations are off: a typo is an error, not a match
+        dapo.parse_config(["--preset", "dapo", "--eps_hi", "0.3"])
+    assert "unrecognized arguments: --eps_hi" in capsys.readouterr().err
+
+
+def test_presets_and_explicit_flags():
+    """Preset < flag; each Table 1 row switches exactly its techniques."""
+    cfg = dapo.parse_config(["--preset", "grpo", "--eps_high", "0.3"])
+    assert cfg.eps_high == 0.3 and not cfg.dynamic_sampling and not cfg.token_level_loss
+    full = dapo.parse_config(["--preset", "dapo"])
+    assert (full.eps_high, full.dynamic_sampling, full.token_level_loss, full.overlong_buffer_len) == \
+        (0.28, True, True, 4096)
+    assert dapo.parse_config(["--preset", "grpo+token_level"]).token_level_loss
+    assert dapo.parse_config(["--preset", "dapo", "--dynamic_sampling", "false"]).dynamic_sampling is False
+
+
+def test_bad_model_path_is_one_line(tmp_path):
+    d = dict(device=torch.device("cpu"))
+    with pytest.raises(SystemExit, match=r"model path '/nonexistent/model' does not exist$"):
+        dapo.load_policy(dapo.Config(model="/nonexistent/model"), d)
+    from transformers import T5Config
+    T5Config(d_model=8, num_layers=1, num_heads=1, d_kv=8, d_ff=8, vocab_size=10).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match="cannot load .* as a causal LM") as e:
+        dapo.load_policy(dapo.Config(model=str(tmp_path)), d)
+    assert "\n" not in str(e.value)
+
+
+def test_remote_code_never_runs_unless_asked(tmp_path):
+    """A model repository's own code must not execute by default."""
+    marker = tmp_path / "ran"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
+                                      "from transformers import PretrainedConfig\n"
+                                      "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    with pytest.raises(SystemExit, match="cannot load"):
+        dapo.load_policy(dapo.Config(model=str(tmp_path)), dict(device=torch.device("cpu")))
+    assert not marker.exists()
+
+
+def test_non_finite_update_is_skipped_and_three_stop_the_run(tiny_model):
+    """A NaN advantage makes the gradient NaN: the update is skipped (weights
+    unchanged) and counted; three steps in a row stop with a clear message."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    groups = _grad_rows()
+    groups[0]["samples"][0]["adv"] = float("nan")
+    plan = [_unsplit_plan(groups)]
+    before = [p.detach().clone() for p in model.parameters()]
+    d = dict(world=1, rank=0, device=torch.device("cpu"))
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    m = dapo.train_step(model, optim, plan, dapo.Config(bf16=False), d, tok)
+    assert m["loss/skipped_updates"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    bad = dapo.check_finite(0, m["grad_norms"], 1)
+    bad = dapo.check_finite(bad, m["grad_norms"], 2)
+    assert dapo.check_finite(bad, [1.0], 3) == 0  # a good step resets the count
+    with pytest.raises(SystemExit, match="non-finite loss or gradient norm in 3 steps in a row"):
+        dapo.check_finite(dapo.check_finite(bad, m["grad_norms"], 3), m["grad_norms"], 4)
+
+
 if __name__ == "__main__":  # workers for the multi-process tests above
     {"grads": _worker_grads, "push": _worker_push}[sys.argv[1]](*sys.argv[2:])
