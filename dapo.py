@@ -35,6 +35,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -127,10 +128,10 @@ PRESETS = {  # the paper's Table 1 rows, cumulative as in the table, and the CPU
     "cpu": dict(  # SmolLM2-135M on the addition demo; minutes on a laptop CPU
         model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
         eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number",
-        steps=30, prompts_per_step=16, group_size=8, gen_prompts_per_round=16, max_gen_rounds=3,
-        max_prompt_len=256, max_response_len=64, overlong_buffer_len=16, lr=1e-5, warmup_steps=0,
-        mini_batch_prompts=16, micro_batch_tokens=8192, activation_checkpointing=False,
-        engine_kv_cache_gb=1.0, eval_every=10, eval_k=4, save_every=10, keep_checkpoints=2),
+        steps=15, prompts_per_step=16, group_size=8, gen_prompts_per_round=24, max_gen_rounds=2,
+        max_prompt_len=256, max_response_len=48, overlong_buffer_len=16, lr=1e-5, warmup_steps=0,
+        mini_batch_prompts=16, micro_batch_tokens=4096, activation_checkpointing=False,
+        engine_kv_cache_gb=1.0, eval_every=5, eval_k=4, save_every=15, keep_checkpoints=2),
 }
 
 
@@ -151,7 +152,7 @@ def parse_config(argv=None):
     overrides = PRESETS[preset or "dapo"]
     for f in dataclasses.fields(Config):
         default = overrides.get(f.name, f.default)
-        kind = (lambda s: _parse_bool(s)) if f.type is bool else f.type
+        kind = _parse_bool if f.type is bool else f.type
         parser.add_argument(f"--{f.name}", type=kind, default=default, help=f.metadata["help"],
                             **({"nargs": "?", "const": True} if f.type is bool else {}))
     args = vars(parser.parse_args(argv))
@@ -418,7 +419,7 @@ def generate(engine, model, tok, prompts, n, max_tokens, temperature, top_p):
         return [[dict(ids=list(c.token_ids), finish="length" if c.finish_reason == "length" else "stop",
                       engine_logp=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                  for c in o.outputs] for o in outs]
-    # transformers fallback: left-padded batch, same output contract
+    # transformers fallback (slow): one prompt at a time, n samples each, same contract
     results = []
     for p in prompts:
         ids = torch.tensor([p], device=next(model.parameters()).device)
@@ -578,7 +579,9 @@ def token_logp(model, ids, attn, pos, n_resp, temperature):
     """log pi(o_t | q, o_<t) of the response tokens and the policy entropy.
     Only the last R + 1 positions go through the LM head (logits_to_keep)."""
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                   logits_to_keep=n_resp + 1).logits[:, :-1].float() / temperature  # (N, R, V)
+                   logits_to_keep=n_resp + 1).logits[:, :-1].float()  # (N, R, V)
+    if temperature != 1.0:  # score the distribution the engine sampled from
+        logits = logits / temperature
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, ids[:, -n_resp:, None]).squeeze(-1)  # (N, R)
     with torch.no_grad():
@@ -660,6 +663,8 @@ def train_step(model, optim, plan, cfg, d, tok):
                         r["old_logp"] = lp[:len(r["ids"])].float().cpu()
     t_old = time.time()
     m, grad_norms = {}, []
+    old_tokens = sum(len(r["prompt_ids"]) + len(r["ids"]) for mb in plan for rows in mb["micro"] for r in rows) \
+        if len(plan) > 1 else 0
     for mb in plan:
         accumulate_grads(model, mb, cfg, d, tok.pad_token_id, m)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -678,6 +683,7 @@ def train_step(model, optim, plan, cfg, d, tok):
             "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
             "rollout/engine_logp_gap": tot["gap"] / max(tot["tokens"], 1),
             "perf/old_logp_s": t_old - t0, "perf/update_s": t_end - t_old,
+            "perf/old_logp_tokens_per_s": old_tokens / max(t_old - t0, 1e-9),
             "perf/update_tokens_per_s": tot["real"] / d["world"] / max(t_end - t_old, 1e-9),
             "perf/padding_frac": tot["padded"] / max(tot["padded"] + tot["real"], 1)}
 
@@ -788,19 +794,23 @@ def log_metrics(cfg, d, metrics, bar, wandb_run):
 
 # --- §3.2 the dynamic-sampling loop: rounds of rollouts until B groups survive ---
 
-def collect_groups(cfg, d, train_set, state, sample):
+def collect_groups(cfg, d, train_set, state, rollout, score):
     """Runs generation rounds until prompts_per_step groups pass Eq. 11, at most
-    max_gen_rounds; trims the surplus. `sample(prompts)` rolls out and scores
-    this rank's share of the prompts. Every rank sees all groups in prompt
-    order, so every rank keeps the same ones and runs the same updates."""
+    max_gen_rounds; trims the surplus. `rollout(prompts)` samples G responses
+    for each of this rank's prompts and `score(prompts, samples)` rewards them.
+    Every rank sees all groups in prompt order, so every rank keeps the same
+    ones and runs the same updates."""
     kept, flat, rounds, t_gen, t_score = [], [], 0, 0.0, 0.0
     per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
     for rounds in range(1, cfg.max_gen_rounds + 1):
         prompts = take_prompts(train_set, state["data_pos"], per_round, cfg.seed)
         state["data_pos"] += per_round
+        mine = prompts[d["dp_rank"]::d["n_dp"]]
         t0 = time.time()
-        local = sample(prompts[d["dp_rank"]::d["n_dp"]])
-        t_gen += time.time() - t0
+        samples = rollout(mine)
+        t1 = time.time()
+        local = score(mine, samples)
+        t_gen, t_score = t_gen + t1 - t0, t_score + time.time() - t1
         parts = gather_dp(local, d)  # collective: all ranks, every round
         groups = [parts[i % d["n_dp"]][i // d["n_dp"]] for i in range(len(prompts))]
         round_flat = [s for g in groups for s in g["samples"]]
@@ -825,7 +835,8 @@ def collect_groups(cfg, d, train_set, state, sample):
                "dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": len(kept),
                "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / len(flat),
                "data/prompt_idx": [g["idx"] for g in kept],
-               "perf/rollout_s": t_gen, "perf/rollout_tokens_per_s": sum(lengths) / d["n_dp"] / max(t_gen, 1e-9)}
+               "perf/rollout_s": t_gen, "perf/rollout_tokens_per_s": sum(lengths) / d["n_dp"] / max(t_gen, 1e-9),
+               "perf/reward_s": t_score}
     return kept, metrics
 
 
@@ -895,21 +906,30 @@ def main(argv=None):
         if d["rank"] == 0:
             print(f"dapo: resumed from {ckpts[-1]} at step {state['step']}", flush=True)
 
-    def sample(prompts):  # 1. rollout with the engine, 2. reward + overlong penalty
-        out = generate(engine, model, tok, [p["prompt_ids"] for p in prompts], cfg.group_size,
-                       cfg.max_response_len, cfg.temperature, cfg.top_p)
-        return score_groups(prompts, out, tok, cfg)
+    def rollout(prompts):  # 1. G samples per prompt from the engine
+        return generate(engine, model, tok, [p["prompt_ids"] for p in prompts], cfg.group_size,
+                        cfg.max_response_len, cfg.temperature, cfg.top_p)
+
+    def score(prompts, samples):  # 2. reward.py + the Eq. 13 penalty
+        return score_groups(prompts, samples, tok, cfg)
 
     bar = tqdm(total=cfg.steps, initial=state["step"], desc="dapo") if d["rank"] == 0 else None
     if cfg.eval_before_train:
         log_metrics(cfg, d, dict(step=state["step"], **evaluate(cfg, d, engine, model, tok, eval_set,
                                                                 state["step"])), None, wandb_run)
-    bad_updates = 0
+    bad_updates, stop = 0, []
+
+    def on_ctrl_c(signum, frame):  # finish the step, save, stop; a second Ctrl-C stops at once
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+        print(f"dapo: rank {d['rank']}: Ctrl-C, stopping after this step (again to stop now)", flush=True)
+    signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         while state["step"] < cfg.steps:
             step, t_step = state["step"] + 1, time.time()
             # 1-2. Rollout, reward and dynamic sampling (Eq. 7, 11, 13).
-            kept, metrics = collect_groups(cfg, d, train_set, state, sample)
+            kept, metrics = collect_groups(cfg, d, train_set, state, rollout, score)
             metrics["step"] = step
             sleep(engine, cfg, d)
             metrics["loss/lr"] = sched.get_last_lr()[0]
@@ -934,11 +954,15 @@ def main(argv=None):
                 save_checkpoint(cfg, d, model, optim, sched, tok, state)
             metrics["perf/step_s"] = time.time() - t_step
             log_metrics(cfg, d, metrics, bar, wandb_run)
-    except KeyboardInterrupt:
+            if all_sum([len(stop)], d["device"])[0]:  # collective: all ranks stop at the same step
+                if d["rank"] == 0:
+                    print(f"dapo: interrupted after step {step}", flush=True)
+                if cfg.save_on_interrupt and not (cfg.save_every and step % cfg.save_every == 0):
+                    save_checkpoint(cfg, d, model, optim, sched, tok, state)
+                break
+    except KeyboardInterrupt:  # the second Ctrl-C: mid-step, so nothing is saved
         if d["rank"] == 0:
-            print(f"dapo: interrupted at step {state['step']}", flush=True)
-        if cfg.save_on_interrupt and state["step"] > 0:
-            save_checkpoint(cfg, d, model, optim, sched, tok, state)
+            print(f"dapo: stopped during step {state['step'] + 1}; the last checkpoint is kept", flush=True)
     finally:
         if bar is not None:
             bar.close()

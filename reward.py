@@ -197,3 +197,11 @@ if __name__ == "__main__":  # benchmark: python reward.py
         rate = n / (time.perf_counter() - t0)
         print(f"mode={mode}: {rate:,.0f} responses/s "
               f"({sum(map(len, responses)) / len(responses):.0f} chars each)")
+    worst = []
+    for text in ["x" * 1_000_000, "Answer: " * 100_000, "{" * 50_000 + "}" * 50_000,
+                 "\\boxed{" * 50_000, "$" * 100_000, "frac" * 100_000, "\\text{" * 100_000]:
+        for args in ((text, "5"), ("Answer: 5", text)):
+            t0 = time.perf_counter()
+            compute_score(*args)
+            worst.append((time.perf_counter() - t0) * 1e3)
+    print(f"slowest adversarial call (1 MB-class strings, as response or as ground truth): {max(worst):.1f} ms")

@@ -142,14 +142,14 @@ def test_reward_adversarial_inputs(text, score):
     quadratically on long lines (the released ones do, on a long ground
     truth) and against exceptions on odd strings. Each string is tried as
     the response, the ground truth, and both, in every mode; the time bound
-    is generous (a call takes microseconds to a few milliseconds)."""
+    is generous, not a speed target (see `python reward.py` for that)."""
     assert reward.compute_score(text, "5") == score
     t0 = time.perf_counter()
     for mode in reward.EXTRACTORS:
         assert reward.compute_score(text, "5", mode) in (1.0, -1.0)
         assert reward.compute_score("Answer: 5", text, mode) in (1.0, -1.0)
         assert reward.compute_score(text, text, mode) in (1.0, -1.0)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 10.0  # quadratic backtracking on 1 MB takes hours
 
 
 def test_reward_type_errors():
@@ -581,10 +581,11 @@ def one_rank():
 
 
 def _scripted(n_correct, G):
-    """A sampler whose k-th prompt (in stream order) gets n_correct(k) correct samples."""
+    """A rollout whose k-th prompt (in stream order) gets n_correct(k) correct
+    samples, and a score function that passes them through."""
     seen = []
 
-    def sample(prompts):
+    def rollout(prompts):
         out = []
         for p in prompts:
             k = len(seen)
@@ -593,7 +594,7 @@ def _scripted(n_correct, G):
                 dict(ids=[1] * 3, finish="stop", engine_logp=[0.0] * 3,
                      score=1.0 if j < n_correct(k) else -1.0, penalty=0.0) for j in range(G)]))
         return out
-    return sample
+    return rollout, lambda prompts, groups: groups
 
 
 DATA = [dict(idx=i, prompt_ids=[i + 1], answer="1") for i in range(50)]
@@ -605,7 +606,7 @@ def test_dynamic_sampling_fills_then_trims(one_rank):
     on all-equal groups and against keeping more than B."""
     cfg = dapo.Config(prompts_per_step=5, group_size=4, gen_prompts_per_round=4, max_gen_rounds=10)
     state = dict(data_pos=0)
-    kept, m = dapo.collect_groups(cfg, one_rank, DATA, state, _scripted(lambda i: 2 if i % 2 else 4, 4))
+    kept, m = dapo.collect_groups(cfg, one_rank, DATA, state, *_scripted(lambda i: 2 if i % 2 else 4, 4))
     assert len(kept) == 5 and m["dynamic_sampling/rounds"] == 3 and state["data_pos"] == 12
     assert all(0 < sum(s["score"] > 0 for s in g["samples"]) < 4 for g in kept)
     assert m["dynamic_sampling/kept_frac"] == pytest.approx(5 / 12)
@@ -617,10 +618,10 @@ def test_dynamic_sampling_round_cap_trains_on_what_it_has(one_rank):
     cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_prompts_per_round=4, max_gen_rounds=2)
     with pytest.warns(UserWarning, match="kept 2 of 8 groups in 2 rounds; training on those"):
         kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0),
-                                      _scripted(lambda i: 1 if i in (0, 5) else 0, 4))
+                                      *_scripted(lambda i: 1 if i in (0, 5) else 0, 4))
     assert len(kept) == 2 and m["dynamic_sampling/kept_groups"] == 2
     with pytest.warns(UserWarning, match="skipping the update"):
-        kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0), _scripted(lambda i: 0, 4))
+        kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0), *_scripted(lambda i: 0, 4))
     assert kept == [] and m["reward/accuracy"] == 0.0
 
 
@@ -628,7 +629,7 @@ def test_dynamic_sampling_off_keeps_everything(one_rank):
     """With dynamic sampling off one round of exactly B prompts is trained,
     all-equal groups included (naive GRPO's behaviour)."""
     cfg = dapo.Config(prompts_per_step=4, group_size=2, gen_prompts_per_round=16, dynamic_sampling=False)
-    kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0), _scripted(lambda i: 0, 2))
+    kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0), *_scripted(lambda i: 0, 2))
     assert len(kept) == 4 and m["dynamic_sampling/rounds"] == 1
 
 
@@ -779,6 +780,40 @@ def test_non_finite_update_is_skipped_and_three_stop_the_run(tiny_model):
     assert dapo.check_finite(bad, [1.0], 3) == 0  # a good step resets the count
     with pytest.raises(SystemExit, match="non-finite loss or gradient norm in 3 steps in a row"):
         dapo.check_finite(dapo.check_finite(bad, m["grad_norms"], 3), m["grad_norms"], 4)
+
+
+def test_ctrl_c_stops_cleanly_and_saves(tiny_model, tmp_path):
+    """SIGINT mid-run: the step in flight finishes, a complete checkpoint of
+    it is saved and the process exits 0. Guards against a save of a
+    half-done step (weights updated, step counter and data position not)."""
+    import signal
+    args = _tiny_args(tiny_model, tmp_path, "--rollout_engine", "hf", "--steps", "1000")
+    p = subprocess.Popen([sys.executable, "dapo.py", *args], env=_env(), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-3000:]
+    assert "interrupted after step" in out
+    (ckpt,) = dapo.list_checkpoints(str(tmp_path / "ckpt"))
+    last = _metrics(tmp_path)[-1]["step"]
+    assert ckpt.endswith(f"step_{last:06d}")
+    state = json.load(open(os.path.join(ckpt, "trainer_state.json")))
+    assert state["step"] == last and state["data_pos"] == 4 * last
+
+
+def test_wandb_asked_for_but_missing_is_clear(tiny_model, tmp_path):
+    """--wandb_project without the package: a one-line error saying how to
+    get it, before any model loads. A stub that fails to import stands in
+    for a machine without wandb, whatever this one has."""
+    stub = tmp_path / "stub" / "wandb"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('no wandb here')\n")
+    env = dict(_env(), PYTHONPATH=str(tmp_path / "stub"))
+    p = _run(_tiny_args(tiny_model, tmp_path / "run", "--wandb_project", "x"), env=env, check=False)
+    assert p.returncode != 0 and "wandb is not installed (pip install wandb)" in p.stderr
 
 
 if __name__ == "__main__":  # workers for the multi-process tests above
