@@ -622,13 +622,17 @@ def _all_max(x, d):
     return t.item()
 
 
+def cpu_autocast(cfg, d):
+    """bf16 autocast on CPU; on GPU FSDP2's mixed-precision policy casts instead."""
+    return torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16 and d["device"].type == "cpu")
+
+
 def accumulate_grads(model, mb, cfg, d, pad_id, m):
     """Forward and backward over one mini-batch's micro-batches; grads add up.
     Fills the counters in m (sums over this rank's tokens)."""
-    autocast = torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16 and d["device"].type == "cpu")
     for rows in mb["micro"]:
         ids, attn, pos, resp, mask, elogp, adv, rmask = collate(rows, pad_id, d["device"])
-        with autocast:
+        with cpu_autocast(cfg, d):
             logp, entropy = token_logp(model, ids, attn, pos, resp.shape[1], cfg.temperature)
         if "old_logp" in rows[0]:
             old = torch.zeros_like(logp)
@@ -653,8 +657,7 @@ def train_step(model, optim, plan, cfg, d, tok):
     """Old log-probs, then one clipped AdamW update per mini-batch (§4.1: 16)."""
     t0 = time.time()
     if len(plan) > 1:  # old log-probs: one no-grad pass before the first update
-        autocast = torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16 and d["device"].type == "cpu")
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), cpu_autocast(cfg, d):
             for mb in plan:
                 for rows in mb["micro"]:
                     ids, attn, pos, resp, *_ = collate(rows, tok.pad_token_id, d["device"])
