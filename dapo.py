@@ -543,13 +543,14 @@ def policy_loss(logp, old_logp, adv, mask, eps_low, eps_high, dual_clip_c, token
 
 def micro_batches(rows, budget):
     """Split rows (sorted by length) so each padded batch holds <= budget tokens."""
-    out, cur = [], []
+    out, cur, P, R = [], [], 0, 0
     for r in rows:
-        width = max(len(x["prompt_ids"]) for x in cur + [r]) + max(len(x["ids"]) for x in cur + [r])
-        if cur and width * (len(cur) + 1) > budget:
+        p, n = max(P, len(r["prompt_ids"])), max(R, len(r["ids"]))  # padded widths if r joins
+        if cur and (p + n) * (len(cur) + 1) > budget:
             out.append(cur)
-            cur = []
+            cur, p, n = [], len(r["prompt_ids"]), len(r["ids"])
         cur.append(r)
+        P, R = p, n
     return out + ([cur] if cur else [])
 
 
@@ -969,7 +970,7 @@ def main(argv=None):
     finally:
         if bar is not None:
             bar.close()
-        del engine
+        engine = None  # drop the engine (and its memory) before the process group goes
         if dist.is_initialized():
             dist.destroy_process_group()
     return state

@@ -316,14 +316,12 @@ def _unsplit_plan(groups):
 
 
 def _grads(model, plan, cfg, world=1):
-    from transformers import AutoTokenizer  # noqa: F401
     model.zero_grad(set_to_none=True)
     d = dict(world=world, rank=0, device=torch.device("cpu"))
     # old_logp: a policy that moved a little, so clipping is active somewhere
-    for mb in [plan]:
-        for rows in mb["micro"]:
-            for r in rows:
-                r["old_logp"] = torch.full((len(r["ids"]),), -7.0)
+    for rows in plan["micro"]:
+        for r in rows:
+            r["old_logp"] = torch.full((len(r["ids"]),), -7.0)
     dapo.accumulate_grads(model, plan, cfg, d, 0, {})
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
