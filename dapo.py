@@ -776,6 +776,11 @@ def train_step(model, optim, plan, cfg, d, tok, bar=None):
             "perf/padding_frac": 1 - tot["real"] / max(tot["all"], 1)}
 
 
+def make_optimizer(model, cfg):
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             fused=True)  # fused: no model-sized temporary in the step
+
+
 def check_finite(bad_updates, grad_norms, step):
     """Counts consecutive steps with a skipped (non-finite) update; 3 stop the run."""
     bad_updates = bad_updates + 1 if any(not math.isfinite(g) for g in grad_norms) else 0
@@ -815,6 +820,7 @@ def sleep(engine, cfg, d):
 
 def wake(engine, cfg, d, tags):
     if engine is not None and d["device"].type == "cuda" and cfg.engine_sleep:
+        torch.cuda.empty_cache()  # the trainer's cached blocks (up to its peak) go back for the engine
         engine.wake_up(tags=tags)
 
 
@@ -910,6 +916,85 @@ def _fault_point(name, step):
         os.kill(os.getpid(), 9)
 
 
+# --- Memory plan: one simulated training micro-step per GPU (--estimate_memory N) ---
+
+def estimate_memory(cfg, n_gpus):
+    """Per-GPU memory by phase and category on n_gpus GPUs, printed (the last line one JSON object). No GPU,
+    no weights: fake tensors and process group. With a process group already up (the CPU check): real tensors."""
+    import contextlib
+    from unittest import mock
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
+    t0, GiB, fake, gpu_gib = time.time(), 2 ** 30, not dist.is_initialized(), cfg.gpu_gib
+    config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    d = dict(rank=0, world=n_gpus, dp_rank=0, n_dp=n_gpus // cfg.rollout_tp, device=torch.device("cpu"))
+    with contextlib.ExitStack() as stack:
+        if fake:
+            dist.init_process_group("fake", rank=0, world_size=n_gpus, store=FakeStore())
+            stack.callback(dist.destroy_process_group)
+        with torch.device("meta" if fake else "cpu"):  # meta: no memory, no init
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        n_params = sum(p.numel() for p in model.parameters())
+        prepare_model(model, cfg)
+        shard(model, cfg, d, bf16_params=cfg.bf16)  # as on a GPU; outside fake mode (the mesh is real)
+        if fake:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty: meta -> fake
+            # DTensor's shape propagation reuses an ambient fake mode: the tracker counts its full-size scratch
+            stack.enter_context(mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode",
+                                           lambda *a: None))
+            # transformers takes fake tensors for tracing (a [T,T] mask, repeated K/V): skip it as a real run does
+            skip = masking_utils._ignore_causal_mask_sdpa
+            stack.enter_context(mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa",
+                                                  lambda pad, *a, **k: skip(None, *a, **k)))
+            model.to_empty(device="cpu")
+        model.train()
+        # AdamW as main makes it (fused: no shard-sized temporaries in the step)
+        optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len  # validate(): T <= micro_batch
+        ids = torch.randint(0, config.vocab_size, (1, T))
+        attn, pos, adv = torch.ones_like(ids), torch.arange(T)[None], torch.ones(1, 1)
+        tracker, peaks, dev = FSDPMemTracker(model, optim), {}, ids.device
+
+        def mark(it, phase):  # the peak since the last mark, then restart the running peak
+            peaks[phase] = tracker.get_tracker_snapshot("peak")[dev]
+            tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+            tracker._peak_mem = {k: v["Total"] for k, v in tracker._peak_mem_snap.items()}
+        with tracker:
+            for it in range(2):  # the second step, the one with AdamW state, is reported
+                logp = token_logp(model, ids, attn, pos, R, cfg.temperature, cfg.logp_chunk_tokens)[0]
+                loss = -(logp * adv).mean()  # policy_loss adds only (N, R)-sized tensors
+                mark(it, "train.forward")
+                (loss * n_gpus).backward()
+                mark(it, "train.backward")
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                mark(it, "train.optimizer")
+                tracker.reset_mod_stats()  # else the tracker refuses the next root forward
+            # rollout: what stays (sharded params, AdamW state) if the caching allocator is emptied before wake
+            peaks["rollout"] = tracker.get_tracker_snapshot()[dev]
+    # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / rollout_tp, KV cache, scratch)
+    w_eng = 2 * n_params / cfg.rollout_tp
+    eng = w_eng + cfg.engine_kv_cache_gb * GiB if cfg.engine_kv_cache_gb > 0 else cfg.engine_mem * gpu_gib * GiB
+    phases, cpu = {}, ("Sharded Param", "Sharded Grad", "OptState") if cfg.offload_optimizer else ()
+    for k, p in peaks.items():  # the GPU's share; CPUOffloadPolicy keeps the `cpu` categories on the host
+        p = {getattr(c, "value", c): v for c, v in p.items() if v and c != "Total"}
+        p["Engine"] = eng if k == "rollout" or not cfg.engine_sleep else 0  # asleep: KV freed, weights on CPU
+        p["Total"] = sum(v for c, v in p.items() if c not in cpu)
+        phases[k] = {c: round(v / GiB, 2) for c, v in p.items() if c not in cpu}
+    peak = max(phases, key=lambda k: phases[k]["Total"])
+    out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=gpu_gib, tokens=T, params=n_params, peak_phase=peak,
+               peak_gib=phases[peak]["Total"], fits=phases[peak]["Total"] <= gpu_gib and eng > w_eng,
+               engine_kv_gib=round((eng - w_eng) / GiB, 2), seconds=round(time.time() - t0, 1), phases=phases,
+               not_counted="CUDA context, NCCL buffers, kernel workspaces, allocator fragmentation: keep 5-10%")
+    for k, p in phases.items():
+        print(f"dapo: {k:>15}: " + ", ".join(f"{c} {v}" for c, v in p.items()) + " GiB")
+    print(json.dumps(out), flush=True)
+    return out
+
+
 # --- Logging: one flat dict per step, one progress bar ---
 
 def log_metrics(cfg, d, metrics, bar, wandb_run):
@@ -934,6 +1019,7 @@ def progress(bar, text):
 def quiet_libraries(cfg):
     """vLLM and transformers log per weight and per push; show dapo's lines and
     the bar unless --verbose or VLLM_LOGGING_LEVEL asks for more."""
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # token_logp slices its output, in place never
     if cfg.verbose:
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when the engine starts
@@ -960,6 +1046,11 @@ def main(argv=None):
     if cfg.estimate_memory:
         return estimate_memory(cfg, cfg.estimate_memory)
     d = init_distributed(cfg)
+    if d["device"].type == "cpu" and cfg.bf16 and not (torch.cpu._is_avx512_bf16_supported()
+                                                       or torch.cpu._is_amx_tile_supported()):
+        cfg = dataclasses.replace(cfg, bf16=False)  # emulated bf16 is slower than fp32 here
+        if d["rank"] == 0:
+            print("dapo: this CPU has neither AVX-512 BF16 nor AMX: training and rollout in fp32", flush=True)
     if d["rank"] == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -984,11 +1075,11 @@ def main(argv=None):
         metrics = evaluate(cfg, d, engine, model, tok, eval_set, 0)
         if d["rank"] == 0:
             print(json.dumps(metrics), flush=True)
+        engine = None  # before the process group: vLLM's exit handler needs it
         dist.destroy_process_group()
         return metrics
     train_set = load_examples(cfg.train_data, tok, cfg.max_prompt_len, cfg.dedup_prompts, d["rank"])
-    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                              fused=True)  # no model-sized temporary in the step
+    optim = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant
         optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     state = dict(step=0, data_pos=0)

