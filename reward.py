@@ -184,13 +184,14 @@ if __name__ == "__main__":  # benchmark: python reward.py
     import time
     rng = random.Random(0)
     words = "the sum of two numbers is so we add them and get carry step".split()
-    responses = [" ".join(rng.choice(words) for _ in range(500))[:1990]
-                 + f"\nAnswer: {rng.randint(0, 999)}" for _ in range(8192)]
-    truths = [str(rng.randint(0, 999)) for _ in range(64)]
+    responses = [" ".join(rng.choice(words) for _ in range(500))[:1990]  # distinct answers: no cache hits
+                 + f"\nAnswer: {rng.randint(0, 10**9)}" for _ in range(8192)]
+    truths = [str(rng.randint(0, 999)) for _ in range(64)]  # as in training: G samples share one truth
     for mode in EXTRACTORS:
         t0 = time.perf_counter()
         n = 0
         while time.perf_counter() - t0 < 2.0:
+            _normalize_cached.cache_clear()  # each pass starts cold
             for i, r in enumerate(responses):
                 compute_score(r, truths[i % 64], mode)
             n += len(responses)
