@@ -963,6 +963,7 @@ def test_bad_rows_name_row_and_field(row, message):
 
 
 def test_both_row_shapes_parse():
+    """A plain {prompt, answer} row and a DAPO-Math-17k chat row both parse; an int answer becomes a string."""
     messages, answer = dapo.parse_row({"prompt": "q?", "answer": 12}, 0)
     assert messages == [{"role": "user", "content": "q?"}] and answer == "12"
     messages, answer = dapo.parse_row({"prompt": [{"role": "user", "content": "q"}],
@@ -1002,6 +1003,7 @@ def test_bad_config_values_fail_before_loading(flags, message):
 
 
 def test_unknown_preset_or_flag_lists_choices(capsys):
+    """A wrong preset lists the valid ones; a misspelt flag is an error, never an abbreviation match."""
     with pytest.raises(SystemExit):
         dapo.parse_config(["--preset", "ppo"])
     err = capsys.readouterr().err
@@ -1023,6 +1025,7 @@ def test_presets_and_explicit_flags():
 
 
 def test_bad_model_path_is_one_line(tmp_path):
+    """A missing folder, or a model that is not a causal LM, is one line naming it (not a traceback)."""
     d = dict(rank=0, device=torch.device("cpu"))
     with pytest.raises(SystemExit, match=r"model path '/nonexistent/model' does not exist$"):
         dapo.load_policy(dapo.Config(model="/nonexistent/model"), d)
