@@ -682,9 +682,8 @@ def old_log_probs(model, plan, cfg, d, pad_id):
     with torch.no_grad(), cpu_autocast(cfg, d):
         for mb in plan:
             for rows in mb["micro"]:
-                ids, attn, pos, *_ = collate(rows, pad_id, d["device"])
-                logp, _ = token_logp(model, ids, attn, pos, max(len(r["ids"]) for r in rows),
-                                     cfg.temperature, cfg.logp_chunk_tokens)
+                ids, attn, pos, mask, *_ = collate(rows, pad_id, d["device"])
+                logp, _ = token_logp(model, ids, attn, pos, mask.shape[1], cfg.temperature, cfg.logp_chunk_tokens)
                 for r, lp in zip(rows, logp):
                     r["old_logp"] = lp[:len(r["ids"])].float().cpu()
 
@@ -951,8 +950,7 @@ def estimate_memory(cfg, n_gpus):
                                                   lambda pad, *a, **k: skip(None, *a, **k)))
             model.to_empty(device="cpu")
         model.train()
-        # AdamW as main makes it (fused: no shard-sized temporaries in the step)
-        optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        optim = make_optimizer(model, cfg)  # the optimizer main makes
         T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len  # validate(): T <= micro_batch
         ids = torch.randint(0, config.vocab_size, (1, T))
         attn, pos, adv = torch.ones_like(ids), torch.arange(T)[None], torch.ones(1, 1)
@@ -1146,7 +1144,8 @@ def main(argv=None):
             if cfg.eval_every and step % cfg.eval_every == 0:
                 progress(bar, "evaluating")
                 metrics.update(evaluate(cfg, d, engine, model, tok, eval_set, step))
-            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+            saved = bool(cfg.save_every) and (step % cfg.save_every == 0 or step == cfg.steps)
+            if saved:
                 progress(bar, "saving")
                 save(hf=step == cfg.steps)
             metrics["perf/step_s"] = time.time() - t_step
@@ -1154,8 +1153,7 @@ def main(argv=None):
             if all_reduce([len(stop)], d)[0]:  # collective: all ranks stop at the same step
                 if d["rank"] == 0:
                     print(f"dapo: interrupted after step {step}", flush=True)
-                if cfg.save_on_interrupt and not (cfg.save_every and (step % cfg.save_every == 0
-                                                                      or step == cfg.steps)):
+                if cfg.save_on_interrupt and not saved:
                     save(hf=True)
                 break
     except KeyboardInterrupt:  # the second Ctrl-C: mid-step, so nothing is saved
