@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gc
 import json
 import logging
 import math
@@ -957,6 +958,7 @@ def estimate_memory(cfg, n_gpus):
         tracker, peaks, dev = FSDPMemTracker(model, optim), {}, ids.device
 
         def mark(it, phase):  # the peak since the last mark, then restart the running peak
+            gc.collect()  # garbage in reference cycles would otherwise enter the next phase's peak
             peaks[phase] = tracker.get_tracker_snapshot("peak")[dev]
             tracker._peak_mem_snap = tracker.get_tracker_snapshot()
             tracker._peak_mem = {k: v["Total"] for k, v in tracker._peak_mem_snap.items()}
@@ -982,14 +984,14 @@ def estimate_memory(cfg, n_gpus):
         p = {getattr(c, "value", c): v for c, v in p.items() if v and c != "Total"}
         p["Engine"] = eng if k == "rollout" or not cfg.engine_sleep else 0  # asleep: KV freed, weights on CPU
         p["Total"] = sum(v for c, v in p.items() if c not in cpu)
-        phases[k] = {c: round(v / GiB, 2) for c, v in p.items() if c not in cpu}
+        phases[k] = {c: round(v / GiB, 4) for c, v in p.items() if c not in cpu}
     peak = max(phases, key=lambda k: phases[k]["Total"])
     out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=gpu_gib, tokens=T, params=n_params, peak_phase=peak,
                peak_gib=phases[peak]["Total"], fits=phases[peak]["Total"] <= gpu_gib and eng > w_eng,
                engine_kv_gib=round((eng - w_eng) / GiB, 2), seconds=round(time.time() - t0, 1), phases=phases,
                not_counted="CUDA context, NCCL buffers, kernel workspaces, allocator fragmentation: keep 5-10%")
     for k, p in phases.items():
-        print(f"dapo: {k:>15}: " + ", ".join(f"{c} {v}" for c, v in p.items()) + " GiB")
+        print(f"dapo: {k:>15}: " + ", ".join(f"{c} {v:.2f}" for c, v in p.items()) + " GiB")
     print(json.dumps(out), flush=True)
     return out
 
