@@ -759,15 +759,16 @@ KEYS = ["reward/accuracy", "loss/entropy", "rollout/response_len_mean", "rollout
 def one_rank_run(tiny_model, tmp_path_factory):
     """Two steps of dapo.py through vLLM under plain `python`, two updates a step."""
     out = tmp_path_factory.mktemp("one_rank")
-    _run(_tiny_args(tiny_model, out))
-    return _metrics(out), out
+    env = {k: v for k, v in _env().items() if k != "VLLM_LOGGING_LEVEL"}  # the user's default console
+    p = _run(_tiny_args(tiny_model, out), env=env)
+    return _metrics(out), out, p.stdout + p.stderr
 
 
 def test_end_to_end_vllm_one_rank(one_rank_run):
     """Two full steps, two updates each (so the old-log-prob pass runs and the
     second update is off-policy): guards against the loop breaking anywhere
     between rollout and weight push, and against a stale engine."""
-    ms, out = one_rank_run
+    ms, out, console = one_rank_run
     assert [m["step"] for m in ms] == [1, 2]
     for m in ms:
         assert all(k in m for k in KEYS), sorted(set(KEYS) - set(m))
@@ -777,6 +778,15 @@ def test_end_to_end_vllm_one_rank(one_rank_run):
         assert math.isfinite(m["loss/policy"]) and 0 <= m["loss/clip_frac_low"] + m["loss/clip_frac_high"] < 0.5
     assert ms[0]["loss/grad_norm"] > 0 and ms[0]["loss/policy"] != 0  # varied lengths: nonzero advantages
     assert json.load(open(out / "config.json"))["group_size"] == 4
+
+
+def test_console_is_quiet(one_rank_run):
+    """The default console: dapo's lines and the bar, no library log line, no
+    warning per weight or push, and no traceback from vLLM's teardown at exit."""
+    lines = [ln for ln in one_rank_run[2].replace("\r", "\n").splitlines() if ln.strip()]
+    noise = [ln for ln in lines if not ln.startswith(("dapo", "UserWarning: dynamic sampling"))]
+    assert not noise, noise[:10]
+    assert any(ln.startswith("dapo: resolved config") for ln in lines)
 
 
 def test_end_to_end_transformers_fallback(tiny_model, tmp_path):

