@@ -54,6 +54,7 @@ import logging
 import math
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -1176,6 +1177,7 @@ def main(argv=None):
                 progress(bar, "saving")
                 save(hf=step == cfg.steps)
             metrics["perf/step_s"] = time.time() - t_step
+            metrics["perf/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB
             log_metrics(cfg, d, metrics, bar, wandb_run)
             if all_reduce([len(stop)], d)[0]:  # collective: all ranks stop at the same step
                 if d["rank"] == 0:
