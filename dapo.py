@@ -461,7 +461,7 @@ def generate(engine, model, tok, prompts, n, max_tokens, temperature, top_p):
         ids = torch.tensor([p], device=next(model.parameters()).device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 temperature=temperature, top_p=top_p, max_new_tokens=max_tokens,
+                                 temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_tokens,
                                  num_return_sequences=n, pad_token_id=tok.pad_token_id,
                                  eos_token_id=tok.eos_token_id, return_dict_in_generate=True,
                                  output_logits=True, use_cache=True)
@@ -1064,7 +1064,8 @@ def ensure_demo_model(path):
     so the dequantisation's memory is not this one's)."""
     if path == PRESETS["cpu"]["model"] and not os.path.exists(os.path.join(path, "config.json")):
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
-        subprocess.run([sys.executable, script, "--model", path], check=True)
+        subprocess.run([sys.executable, script, "--model", path], check=True,
+                       env=dict(os.environ, TQDM_DISABLE="1"))  # the GGUF reader's own bar
 
 
 # --- Main loop (Algorithm 1) ---

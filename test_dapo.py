@@ -295,9 +295,16 @@ def tiny_model():
                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg)
-        with torch.no_grad():  # a loud EOS row: responses stop at varied lengths, so
-            model.model.embed_tokens.weight[tok.eos_token_id] = torch.randn(128) * 0.9  # advantages vary
+        model = LlamaForCausalLM(cfg).eval()
+        # The EOS row along a prompt's mean last hidden state: about half the
+        # responses stop within 16 tokens, at varied lengths, so advantages vary
+        # (measured with the demo's prompts: 47% stop, lengths 1 to 16).
+        prompt = tok.apply_chat_template([{"role": "system", "content": ""},
+                                          {"role": "user", "content": "What is 18 + 14?"}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        with torch.no_grad():
+            h = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0].mean(0)
+            model.model.embed_tokens.weight[tok.eos_token_id] = 0.9 * h / h.norm()
         model.save_pretrained(path + ".tmp")
         tok.save_pretrained(path + ".tmp")
         os.replace(path + ".tmp", path)
