@@ -531,7 +531,7 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
     prompts and `score(prompts, samples)` rewards them. Every rank sees all
     groups in prompt order, so every rank keeps the same ones and runs the
     same updates. Returns (kept groups, metrics, the next data position)."""
-    kept, flat, t_gen, t_score = [], [], 0.0, 0.0
+    kept, flat, n_informative, t_gen, t_score = [], [], 0, 0.0, 0.0
     per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
     for rounds in range(1, cfg.max_gen_rounds + 1):
         progress(bar, f"round {rounds}: sampling, {len(kept)}/{cfg.prompts_per_step} groups kept")
@@ -548,8 +548,9 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
         round_flat = [s for g in groups for s in g["samples"]]
         flat += round_flat
         correct = torch.tensor([s["score"] > 0 for s in round_flat])
-        keep = dynamic_sampling_mask(correct, cfg.group_size) if cfg.dynamic_sampling \
-            else torch.ones(len(groups), dtype=torch.bool)
+        informative = dynamic_sampling_mask(correct, cfg.group_size)
+        n_informative += int(informative.sum())
+        keep = informative if cfg.dynamic_sampling else torch.ones_like(informative)
         kept += [g for g, k in zip(groups, keep.tolist()) if k]
         if len(kept) >= cfg.prompts_per_step:
             break
@@ -566,6 +567,7 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
                "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / len(flat),
                "dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": len(kept),
                "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / len(flat),
+               "dynamic_sampling/zero_grad_frac": 1 - n_informative * cfg.group_size / len(flat),  # sampled
                "data/prompt_idx": [g["idx"] for g in kept],
                "perf/rollout_s": t_gen, "perf/rollout_tokens_per_s": sum(lengths) / d["n_dp"] / max(t_gen, 1e-9),
                "perf/reward_s": t_score}

@@ -917,6 +917,7 @@ def test_dynamic_sampling_fills_then_trims(one_rank):
     assert len(kept) == 5 and m["dynamic_sampling/rounds"] == 3 and pos == 12
     assert all(0 < sum(s["score"] > 0 for s in g["samples"]) < 4 for g in kept)
     assert m["dynamic_sampling/kept_frac"] == pytest.approx(5 / 12)
+    assert m["dynamic_sampling/zero_grad_frac"] == pytest.approx(6 / 12)  # sampled groups, not kept ones
 
 
 def test_dynamic_sampling_round_cap_trains_on_what_it_has(one_rank):
@@ -937,6 +938,7 @@ def test_dynamic_sampling_off_keeps_everything(one_rank):
     cfg = dapo.Config(prompts_per_step=4, group_size=2, gen_prompts_per_round=16, dynamic_sampling=False)
     kept, m, _ = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 0, 2))
     assert len(kept) == 4 and m["dynamic_sampling/rounds"] == 1
+    assert m["dynamic_sampling/zero_grad_frac"] == 1.0  # trained anyway
 
 
 def test_prepare_samples_shaped_reward_and_overlong_filter():
