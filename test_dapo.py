@@ -812,6 +812,31 @@ def test_end_to_end_two_ranks_with_eval(tiny_model, tmp_path, one_rank_run):
     assert ms[-1]["eval/problems"] == 32
 
 
+def test_end_to_end_dynamic_sampling_refills_and_trims(tmp_path):
+    """Through main on the demo model (about 1 sample in 5 correct at first, so about 6 groups in 10
+    are informative): rounds of 4 prompts for a batch of 5 groups, so round 1 always keeps too few
+    and later rounds refill; a round that overshoots is trimmed to 5. Guards against a loop that
+    trains on the first round's groups, keeps all-equal groups or trains more than B. Each prompt's
+    samples are seeded by its stream position, so the rounds below are the same run after run.
+    Also: keep_checkpoints 1 with 2 saves leaves the last one, complete and loadable."""
+    _run(["--preset", "cpu", "--out_dir", str(tmp_path), "--steps", "2", "--prompts_per_step", "5",
+          "--gen_prompts_per_round", "4", "--max_gen_rounds", "8", "--mini_batch_prompts", "5",
+          "--eval_every", "0", "--save_every", "1", "--keep_checkpoints", "1"])
+    ms, trimmed = _metrics(tmp_path), 0
+    for m in ms:
+        sampled = 4 * m["dynamic_sampling/rounds"]
+        informative = round((1 - m["dynamic_sampling/zero_grad_frac"]) * sampled)
+        assert m["dynamic_sampling/rounds"] >= 2 and m["dynamic_sampling/kept_groups"] == 5
+        assert len(m["data/prompt_idx"]) == 5 and m["dynamic_sampling/kept_frac"] == pytest.approx(5 / sampled)
+        assert 5 <= informative <= 4 + 4  # the last round crossed B from below it
+        trimmed += informative - 5
+    assert trimmed > 0  # a surplus was trimmed in some step
+    assert [m["step"] for m in ms] == [1, 2] and all(m["loss/grad_norm"] > 0 for m in ms)
+    assert os.listdir(tmp_path / "ckpt") == ["step_000002"]
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "step_000002" / "hf")  # loadable
+
+
 def _weights(folder):
     from safetensors.torch import load_file
     return load_file(os.path.join(folder, "hf", "model.safetensors"))
@@ -843,15 +868,6 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model, tmp_path, fault):
     wa, wb = _weights(a / "ckpt" / "step_000003"), _weights(b / "ckpt" / "step_000003")
     assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
     assert not any(n.endswith(".tmp") for n in os.listdir(b / "ckpt"))
-
-
-def test_keep_last_checkpoints(tiny_model, tmp_path):
-    """keep_checkpoints=2 with 3 saves leaves the last two, all complete."""
-    _run(_tiny_args(tiny_model, tmp_path, "--steps", "3", "--save_every", "1",
-                    "--keep_checkpoints", "2"))
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_000002", "step_000003"]
-    from transformers import AutoModelForCausalLM
-    AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "step_000003" / "hf")  # loadable
 
 
 def test_eval_only_on_a_set_that_repeats_its_problems(tiny_model, tmp_path):
