@@ -18,7 +18,7 @@ DAPO changes relative to GRPO (§2.3), each a config field that turns it off:
    (Eq. 7) lives in reward.py.
 
 Also from the released recipe: dual-clip (c = 10) for negative advantages.
-`main()` is Algorithm 1, its lines labelled; `--preset` names Table 1's rows.
+`train()` is Algorithm 1, its lines labelled; `--preset` names Table 1's rows.
 
 Where this file differs from the released recipe, and why:
 1. Dynamic sampling that hits its round cap warns and trains on the groups it
@@ -992,13 +992,10 @@ def ensure_demo_model(path):
                        env=dict(os.environ, TQDM_DISABLE="1"))  # the GGUF reader's own bar
 
 
-# --- Main loop (Algorithm 1) ---
+# --- Main: set-up, then Algorithm 1 ---
 
-def main(argv=None):
-    cfg = parse_config(argv)
-    quiet_libraries(cfg)
-    if cfg.estimate_memory:
-        return estimate_memory(cfg, cfg.estimate_memory)
+def start(cfg):
+    """Processes, the run folder with the resolved config, the sharded policy, then the engine."""
     d = init_distributed(cfg)
     cfg = cpu_setup(cfg, d)
     if d["rank"] == 0:
@@ -1009,15 +1006,28 @@ def main(argv=None):
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     dist.barrier()  # the demo model and the run folder exist before anyone reads them
     tok, model = load_policy(cfg, d)
-    engine = make_engine(cfg, d)
+    return cfg, d, tok, model, make_engine(cfg, d)
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    quiet_libraries(cfg)
+    if cfg.estimate_memory:
+        return estimate_memory(cfg, cfg.estimate_memory)
+    cfg, d, tok, model, engine = start(cfg)
     eval_set = load_examples(cfg.eval_data, tok, cfg.max_prompt_len, True, d["rank"]) \
         if cfg.eval_only or cfg.eval_every else []
-    if cfg.eval_only:
-        metrics = evaluate(cfg, d, engine, tok, eval_set, 0)
-        if d["rank"] == 0:
-            print(json.dumps(metrics), flush=True)
-        close(engine)
-        return metrics
+    if not cfg.eval_only:
+        return train(cfg, d, tok, model, engine, eval_set)
+    metrics = evaluate(cfg, d, engine, tok, eval_set, 0)
+    if d["rank"] == 0:
+        print(json.dumps(metrics), flush=True)
+    close(engine)
+    return metrics
+
+
+def train(cfg, d, tok, model, engine, eval_set):
+    """Algorithm 1, its lines labelled, with checkpoints, evaluation and a clean Ctrl-C around it."""
     train_set = load_examples(cfg.train_data, tok, cfg.max_prompt_len, cfg.dedup_prompts, d["rank"])
     optim = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant: deviation 3

@@ -862,6 +862,7 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model, tmp_path, fault):
     _run(_tiny_args(tiny_model, b, *args, "--resume", "true"))
     ma = {m["step"]: m for m in _metrics(a)}
     mb = {m["step"]: m for m in _metrics(b)}  # the killed run's lines, then the resumed run's
+    assert [ma[s]["loss/lr"] for s in (1, 2, 3)] == pytest.approx([1e-5 * s / 4 for s in (1, 2, 3)])  # warm-up
     for step in (2, 3):
         assert mb[step]["data/prompt_idx"] == ma[step]["data/prompt_idx"]
         assert mb[step]["loss/lr"] == ma[step]["loss/lr"]
@@ -951,17 +952,20 @@ def test_dynamic_sampling_off_keeps_everything(one_rank):
 
 
 def test_prepare_samples_shaped_reward_and_overlong_filter():
-    """Advantages use score + Eq. 13 penalty; overlong filtering zeroes the
-    loss weight of truncated samples only, and only when switched on."""
+    """Advantages use score + Eq. 13 penalty (three samples: with two, (R - mean) / std is +-0.71
+    whatever the rewards, so a dropped penalty would not show); overlong filtering zeroes the loss
+    weight of truncated samples only, and only when switched on."""
     group = dict(idx=0, prompt_ids=[1], samples=[
         dict(ids=[1], finish="stop", score=1.0, penalty=0.0, engine_logp=[0.0]),
-        dict(ids=[1], finish="length", score=-1.0, penalty=-1.0, engine_logp=[0.0])])
-    (g,) = dapo.prepare_samples([group], dapo.Config(group_size=2, overlong_filter=True))
-    std = math.sqrt(((1 - -0.5) ** 2 + (-2 - -0.5) ** 2) / 1)  # rewards 1 and -2
-    assert g["samples"][0]["adv"] == pytest.approx(1.5 / std, rel=1e-5)
-    assert [s["weight"] for s in g["samples"]] == [1.0, 0.0]
-    (g,) = dapo.prepare_samples([group], dapo.Config(group_size=2, overlong_filter=False))
-    assert [s["weight"] for s in g["samples"]] == [1.0, 1.0]
+        dict(ids=[1], finish="length", score=-1.0, penalty=-1.0, engine_logp=[0.0]),
+        dict(ids=[1], finish="stop", score=-1.0, penalty=0.0, engine_logp=[0.0])])
+    (g,) = dapo.prepare_samples([group], dapo.Config(group_size=3, overlong_filter=True))
+    # shaped rewards 1, -2, -1: mean -2/3, unbiased std sqrt((25 + 16 + 1) / 9 / 2) = 1.5275
+    # (the score alone, 1, -1, -1, would give 1.1547, -0.5774, -0.5774)
+    assert [s["adv"] for s in g["samples"]] == pytest.approx([1.0911, -0.8729, -0.2182], abs=1e-4)
+    assert [s["weight"] for s in g["samples"]] == [1.0, 0.0, 1.0]
+    (g,) = dapo.prepare_samples([group], dapo.Config(group_size=3, overlong_filter=False))
+    assert [s["weight"] for s in g["samples"]] == [1.0, 1.0, 1.0]
 
 
 def test_data_order_is_deterministic():
