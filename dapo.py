@@ -392,7 +392,7 @@ def make_engine(cfg, d):
     cuda = d["device"].type == "cuda"
     set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide with a no-op
     engine = LLM(model=cfg.model, tensor_parallel_size=cfg.rollout_tp, distributed_executor_backend="external_launcher",
-                 seed=cfg.seed + d["dp_rank"],  # the same seed on the ranks of a TP group: the same samples
+                 seed=cfg.seed + d["dp_rank"],  # eval: one seed per TP group (rollouts: one per prompt)
                  dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.max_prompt_len + cfg.max_response_len,
                  enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
                  trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kv)
