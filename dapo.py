@@ -43,7 +43,6 @@ Run:
     python dapo.py --eval_only --model runs/dapo/ckpt/step_000100/hf
 """
 import argparse
-import argparse
 import ctypes
 import dataclasses
 import datetime
@@ -214,9 +213,10 @@ def validate(c):
         (c.reward_mode in reward.EXTRACTORS,
          f"reward_mode must be one of {sorted(reward.EXTRACTORS)}, got {c.reward_mode!r}"),
         (c.hf_export in ("every", "end"), f"hf_export must be 'every' or 'end', got {c.hf_export!r}"),
-        (min(c.rollout_tp, c.eval_k, c.keep_checkpoints) >= 1 and min(c.logp_chunk_tokens, c.estimate_memory) >= 0
-         and c.collective_timeout_min > 0, "rollout_tp, eval_k, keep_checkpoints and collective_timeout_min "
-         "must be >= 1 (> 0), logp_chunk_tokens and estimate_memory >= 0"),
+        (c.rollout_tp >= 1 and c.eval_k >= 1 and c.keep_checkpoints >= 1 and c.logp_chunk_tokens >= 0,
+         "rollout_tp, eval_k and keep_checkpoints must be >= 1, logp_chunk_tokens >= 0"),
+        (c.collective_timeout_min > 0 and c.estimate_memory >= 0,
+         "collective_timeout_min must be > 0 and estimate_memory >= 0"),
     ]
     if not all(ok for ok, _ in checks):
         raise SystemExit("dapo: invalid config:\n  " + "\n  ".join(msg for ok, msg in checks if not ok))
@@ -480,9 +480,9 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
         t_gen, t_score = t_gen + t1 - t0, t_score + time.time() - t1
         parts = gather_dp(local, d)  # collective: all ranks, every round
         groups = [parts[i % d["n_dp"]][i // d["n_dp"]] for i in range(len(prompts))]
-        flat += [s for g in groups for s in g["samples"]]
-        informative = dynamic_sampling_mask(torch.tensor([s["score"] > 0 for g in groups for s in g["samples"]]),
-                                            cfg.group_size)
+        round_flat = [s for g in groups for s in g["samples"]]
+        flat += round_flat
+        informative = dynamic_sampling_mask(torch.tensor([s["score"] > 0 for s in round_flat]), cfg.group_size)
         n_informative += int(informative.sum())
         keep = informative if cfg.dynamic_sampling else torch.ones_like(informative)
         kept += [g for g, k in zip(groups, keep.tolist()) if k]
@@ -543,7 +543,8 @@ def plan_updates(groups, cfg, d):
         while len(mbs) < n_max:  # equalise: halve the largest micro-batch, or add a zero-weight one
             big = max(range(len(mbs)), key=lambda i: len(mbs[i])) if mbs else None
             if big is not None and len(mbs[big]) > 1:
-                mbs[big:big + 1] = [mbs[big][:len(mbs[big]) // 2], mbs[big][len(mbs[big]) // 2:]]
+                half = len(mbs[big]) // 2
+                mbs[big:big + 1] = [mbs[big][:half], mbs[big][half:]]
             else:
                 mbs.append([dict(rows[0], weight=0.0)])
         # Eq. 12 and Eq. 5 denominators over the whole mini-batch, all ranks (an all-reduce): deviation 2
@@ -741,16 +742,18 @@ def push_weights(model, engine, cfg, d):
     engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
 
-def sleep(engine, cfg, d, wake_tags=None):
+def sleep(engine, cfg, d):
     """GPU only: vLLM sleep mode level 1 frees the KV cache and moves the engine's weights to CPU memory
-    while the trainer runs; wake_tags ("weights", then "kv_cache") bring them back."""
-    if d["device"].type != "cuda" or not cfg.engine_sleep:
-        return
-    if wake_tags is None:
+    while the trainer runs."""
+    if d["device"].type == "cuda" and cfg.engine_sleep:
         engine.sleep(level=1)
-    else:
+
+
+def wake(engine, cfg, d, tags):
+    """GPU only: bring back what sleep() freed ("weights" before the push, then "kv_cache")."""
+    if d["device"].type == "cuda" and cfg.engine_sleep:
         torch.cuda.empty_cache()  # the trainer's cached blocks (up to its peak) go back for the engine
-        engine.wake_up(tags=wake_tags)
+        engine.wake_up(tags=tags)
 
 
 # --- Evaluation (§4.1): avg@k on AIME 2024, sharded over DP groups ---
@@ -1071,9 +1074,9 @@ def train(cfg, d, tok, model, engine, eval_set):
             sched.step()
             t0 = time.time()
             progress(bar, "weight push")  # the next line 3: the engine samples from the new policy
-            sleep(engine, cfg, d, wake_tags=["weights"])
+            wake(engine, cfg, d, ["weights"])
             push_weights(model, engine, cfg, d)
-            sleep(engine, cfg, d, wake_tags=["kv_cache"])
+            wake(engine, cfg, d, ["kv_cache"])
             metrics["perf/push_s"], state["step"] = time.time() - t0, step
             if cfg.eval_every and step % cfg.eval_every == 0:
                 progress(bar, "evaluating")
