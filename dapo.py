@@ -112,6 +112,8 @@ class Config:
     grad_clip: float = opt(1.0, "gradient-norm clip (released script: 1.0)")
     mini_batch_prompts: int = opt(32, "prompts per gradient update: 512/32 = 16 updates a step (§4.1)")
     micro_batch_tokens: int = opt(24576, "padded tokens per forward pass; bounds activation memory")
+    share_prompt: bool = opt(False, "compute each group's prompt once, its responses in one row behind it (a "
+                                    "block mask: no flash attention); the same numbers, fewer tokens")
     logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time, recomputed in backward (0.6 GB fp32 "
                                        "logits at a 152k vocabulary); 0 = all at once, kept for backward")
     bf16: bool = opt(True, "bf16 compute: FSDP2 bf16 params on GPU, autocast on CPU")
@@ -154,7 +156,7 @@ PRESETS = {  # Table 1's rows, each adding one technique to the row above, and t
         eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number",
         steps=12, prompts_per_step=8, group_size=4, gen_prompts_per_round=16, max_gen_rounds=2,
         max_prompt_len=256, max_response_len=32, overlong_buffer_len=12, lr=1e-5, warmup_steps=0,
-        mini_batch_prompts=2, micro_batch_tokens=4096, activation_checkpointing=False,
+        mini_batch_prompts=2, micro_batch_tokens=1024, share_prompt=True, activation_checkpointing=False,
         engine_kv_cache_gb=0.5, eval_every=6, eval_k=2, save_every=12, keep_checkpoints=2),
 }
 
@@ -347,7 +349,8 @@ def load_policy(cfg, d):
         config = AutoConfig.from_pretrained(cfg.model, **remote)
         tok = AutoTokenizer.from_pretrained(cfg.model, **remote)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **remote)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa",
+                                                     **remote)  # sdpa: takes collate's boolean masks
         full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto", **remote).state_dict() \
             if d["rank"] == 0 else {}  # checkpoint dtype: upcast to fp32 exactly in the copy
     except (OSError, ValueError, KeyError) as e:
@@ -387,15 +390,18 @@ def make_engine(cfg, d):
     """vLLM with external_launcher: the engine lives in this rank's process; the ranks of one TP group
     form its tensor-parallel group. Started after sharding, so the trainer never held a full copy."""
     from vllm import LLM
-    kv = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30)) if cfg.engine_kv_cache_gb > 0 \
+    kw = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30)) if cfg.engine_kv_cache_gb > 0 \
         else dict(gpu_memory_utilization=cfg.engine_mem)
     cuda = d["device"].type == "cuda"
+    if not cuda:  # a prompt split over two prefill passes rewinds its seeded generator: CUDA ones only can
+        kw.update(enable_chunked_prefill=False,
+                  max_num_batched_tokens=max(4096, cfg.max_prompt_len + cfg.max_response_len))
     set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide with a no-op
     engine = LLM(model=cfg.model, tensor_parallel_size=cfg.rollout_tp, distributed_executor_backend="external_launcher",
                  seed=cfg.seed + d["dp_rank"],  # eval: one seed per TP group (rollouts: one per prompt)
                  dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.max_prompt_len + cfg.max_response_len,
                  enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
-                 trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kv)
+                 trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kw)
     torch.set_num_threads = set_threads
     return engine
 
@@ -527,16 +533,15 @@ def prepare_samples(kept, cfg):
     return [dict(g, samples=samples[i * cfg.group_size:(i + 1) * cfg.group_size]) for i, g in enumerate(kept)]
 
 
-# --- Log-probs: mini- and micro-batches, padding, a chunked LM head ---
+# --- Log-probs: mini- and micro-batches, rows, a chunked LM head ---
 
 def plan_updates(groups, cfg, d):
     """Mini-batches of mini_batch_prompts groups (one AdamW update each); each rank takes every world-th
-    sample by length and splits them by the token budget. Every rank gets the same number of
-    micro-batches (FSDP2 runs collectives in every forward)."""
+    row by length and splits them by the token budget. Every rank gets the same number of micro-batches
+    (FSDP2 runs collectives in every forward)."""
     plan = []
     for m in range(0, len(groups), cfg.mini_batch_prompts):
-        rows = sorted((s for g in groups[m:m + cfg.mini_batch_prompts] for s in g["samples"]),
-                      key=lambda r: len(r["prompt_ids"]) + len(r["ids"]))
+        rows = sorted(make_rows(groups[m:m + cfg.mini_batch_prompts], cfg), key=row_len)
         mine = rows[d["rank"]::d["world"]]
         mbs = micro_batches(mine, cfg.micro_batch_tokens)
         n_max = int(all_reduce([len(mbs)], d, dist.ReduceOp.MAX)[0])
@@ -546,53 +551,91 @@ def plan_updates(groups, cfg, d):
                 half = len(mbs[big]) // 2
                 mbs[big:big + 1] = [mbs[big][:half], mbs[big][half:]]
             else:
-                mbs.append([dict(rows[0], weight=0.0)])
+                mbs.append([[dict(rows[0][0], weight=0.0)]])
         # Eq. 12 and Eq. 5 denominators over the whole mini-batch, all ranks (an all-reduce): deviation 2
-        n_tokens, n_samples = all_reduce([sum(r["weight"] * len(r["ids"]) for r in mine),
-                                          sum(1 for r in mine if r["weight"] > 0)], d)
+        samples = [s for row in mine for s in row]
+        n_tokens, n_samples = all_reduce([sum(s["weight"] * len(s["ids"]) for s in samples),
+                                          sum(1 for s in samples if s["weight"] > 0)], d)
         plan.append(dict(micro=mbs, n_tokens=n_tokens, n_samples=n_samples))
     return plan
 
 
+def make_rows(groups, cfg):
+    """The sequences the trainer runs: [prompt, response] per sample; with share_prompt, [prompt,
+    response 1, response 2, ...] per group, so a group's prompt is computed once (a new row starts when
+    one would pass micro_batch_tokens). The same log-probs either way (test_dapo checks)."""
+    if not cfg.share_prompt:
+        return [[s] for g in groups for s in g["samples"]]
+    rows = []
+    for g in groups:
+        rows.append([])
+        for s in g["samples"]:
+            if rows[-1] and row_len(rows[-1] + [s]) > cfg.micro_batch_tokens:
+                rows.append([])
+            rows[-1].append(s)
+    return rows
+
+
+def row_len(row):
+    return len(row[0]["prompt_ids"]) + sum(len(s["ids"]) for s in row)
+
+
 def micro_batches(rows, budget):
-    """Split rows (sorted by length) so each padded batch holds <= budget tokens."""
-    out, cur, P, R = [], [], 0, 0
-    for r in rows:
-        p, n = max(P, len(r["prompt_ids"])), max(R, len(r["ids"]))  # padded widths if r joins
-        if cur and (p + n) * (len(cur) + 1) > budget:
+    """Split rows (sorted by length) so each right-padded micro-batch holds <= budget tokens."""
+    out, cur = [], []
+    for row in rows:
+        if cur and row_len(row) * (len(cur) + 1) > budget:
             out.append(cur)
-            cur, p, n = [], len(r["prompt_ids"]), len(r["ids"])
-        cur.append(r)
-        P, R = p, n
+            cur = []
+        cur.append(row)
     return out + ([cur] if cur else [])
 
 
 def collate(rows, pad_id, device):
-    """Left-pad prompts and right-pad responses so every response starts at the same column. Returns ids,
-    attention mask, positions (N, P+R), loss mask, response mask, engine log-probs (N, R), advantages (N,)."""
-    P, R = max(len(r["prompt_ids"]) for r in rows), max(len(r["ids"]) for r in rows)
-    ids = torch.full((len(rows), P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask, engine_logp = torch.zeros(len(rows), R), torch.zeros(len(rows), R)
-    for i, r in enumerate(rows):
-        p, n = len(r["prompt_ids"]), len(r["ids"])
-        ids[i, P - p:P + n] = torch.tensor(r["prompt_ids"] + r["ids"])
-        attn[i, P - p:P + n] = 1
-        mask[i, :n] = r["weight"]
-        engine_logp[i, :n] = torch.tensor(r["engine_logp"], dtype=torch.float32)
-    pos = (attn.cumsum(1) - 1).clamp(min=0)
-    adv = torch.tensor([r["adv"] for r in rows])
-    return [t.to(device) for t in (ids, attn, pos, mask, attn[:, P:].float(), engine_logp, adv)]
+    """One micro-batch as tensors: ids, attn, pos (one right-padded line per row). A response sees its
+    prompt and itself: positions restart after the prompt, and a row of several responses gets a
+    block-causal (rows, 1, L, L) mask (sdpa's True = attend). Each response token in order: src, the flat
+    index of the position that predicts it, and tgt, the token. For the S samples (S, R): mask (loss
+    weight), rmask (1 on response tokens), engine_logp; adv (S,); real, the number of non-pad tokens."""
+    L, R = max(map(row_len, rows)), max(len(s["ids"]) for row in rows for s in row)
+    samples = [s for row in rows for s in row]
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    pos, seg = torch.zeros_like(ids), torch.full_like(ids, -1)  # seg: 0 prompt, k response k, -1 pad
+    src, tgt = [], []
+    mask, rmask, engine_logp = (torch.zeros(len(samples), R) for _ in range(3))
+    i = 0
+    for u, row in enumerate(rows):
+        p = len(row[0]["prompt_ids"])
+        ids[u, :p], pos[u, :p], seg[u, :p] = torch.tensor(row[0]["prompt_ids"]), torch.arange(p), 0
+        c = p
+        for k, s in enumerate(row, 1):
+            n = len(s["ids"])
+            ids[u, c:c + n], pos[u, c:c + n], seg[u, c:c + n] = torch.tensor(s["ids"], dtype=torch.long), \
+                torch.arange(p, p + n), k
+            src += [u * L + t for t in [p - 1, *range(c, c + n - 1)][:n]]  # position t-1 predicts t
+            tgt += s["ids"]
+            mask[i, :n], rmask[i, :n] = s["weight"], 1
+            engine_logp[i, :n] = torch.tensor(s["engine_logp"], dtype=torch.float32)
+            c, i = c + n, i + 1
+    if max(map(len, rows)) == 1:
+        attn = (seg >= 0).long()  # one response per row: the model's own causal + padding mask
+    else:  # key k visible to query q iff k <= q, k is no pad, and k is the prompt or q's own response
+        q, k = seg[:, :, None], seg[:, None, :]
+        attn = (torch.ones(L, L, dtype=torch.bool).tril() & (k >= 0) & ((k == 0) | (k == q)))[:, None]
+    b = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=torch.tensor(tgt), mask=mask, rmask=rmask, engine_logp=engine_logp,
+             adv=torch.tensor([s["adv"] for s in samples], dtype=torch.float32))
+    return dict({k: v.to(device) for k, v in b.items()}, real=int((seg >= 0).sum()))
 
 
-def token_logp(model, ids, attn, pos, n_resp, temperature, chunk):
-    """log pi(o_t | q, o_<t) of the last n_resp tokens (N, R) and the policy's entropy there (N, R, no
-    grad). The LM head runs over `chunk` tokens at a time and is recomputed in backward, so at most one
-    chunk's logits exist (fp32 logits of 20k tokens x 152k vocabulary: 12 GB)."""
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1,
+def token_logp(model, b, temperature, chunk):
+    """log pi(o_t | q, o_<t) of every response token of the collated micro-batch b, (S, R), 0 at padding,
+    and the policy's entropy there (S, R, no grad). The LM head runs over `chunk` tokens at a time and is
+    recomputed in backward, so at most one chunk's logits exist (fp32 logits of 20k tokens x 152k
+    vocabulary: 12 GB)."""
+    out = model(input_ids=b["ids"], attention_mask=b["attn"], position_ids=b["pos"], logits_to_keep=1,
                 output_hidden_states=True)  # the root FSDP unit stays gathered after forward
-    h = out.hidden_states[-1][:, -n_resp - 1:-1]  # (N, R, H): position t predicts token t + 1
-    head, target = model.get_output_embeddings(), ids[:, -n_resp:]
+    h = out.hidden_states[-1].flatten(0, 1)[b["src"]]  # (response tokens, H)
+    head, target = model.get_output_embeddings(), b["tgt"]
 
     def piece(h, y):  # (C, H), (C,) -> log-prob and entropy of C tokens
         logp_all = (head(h).float() / temperature).log_softmax(-1)  # the engine's sampling distribution
@@ -600,12 +643,12 @@ def token_logp(model, ids, attn, pos, n_resp, temperature, chunk):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, y[:, None]).squeeze(-1), entropy
 
-    h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
     run = functools.partial(torch.utils.checkpoint.checkpoint, piece, use_reentrant=False) \
         if torch.is_grad_enabled() and chunk else piece
     chunk = chunk or len(target)  # 0: the whole head at once, its logits kept for backward
     parts = [run(h[i:i + chunk], target[i:i + chunk]) for i in range(0, len(target), chunk)]
-    return [torch.cat(p).view(-1, n_resp) for p in zip(*parts)]
+    valid = b["rmask"].bool()
+    return [torch.zeros(valid.shape, device=h.device).masked_scatter(valid, torch.cat(p)) for p in zip(*parts)]
 
 
 def cpu_autocast(cfg, d):
@@ -618,10 +661,10 @@ def old_log_probs(model, plan, cfg, d, pad_id):
     with torch.no_grad(), cpu_autocast(cfg, d):
         for mb in plan:
             for rows in mb["micro"]:
-                ids, attn, pos, mask, *_ = collate(rows, pad_id, d["device"])
-                logp, _ = token_logp(model, ids, attn, pos, mask.shape[1], cfg.temperature, cfg.logp_chunk_tokens)
-                for r, lp in zip(rows, logp):
-                    r["old_logp"] = lp[:len(r["ids"])].float().cpu()
+                logp, _ = token_logp(model, collate(rows, pad_id, d["device"]), cfg.temperature,
+                                     cfg.logp_chunk_tokens)
+                for s, lp in zip((s for row in rows for s in row), logp):
+                    s["old_logp"] = lp[:len(s["ids"])].cpu()
 
 
 # --- §3.1 Clip-Higher (Eq. 10), §3.3 token-level loss (Eq. 12) ---
@@ -657,25 +700,26 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
     policy has not moved since sampling (the step's only update), so old_logp = logp.detach()
     (deviation 6). Adds this rank's sums to the counters m."""
     for rows in mb["micro"]:
-        ids, attn, pos, mask, rmask, elogp, adv = collate(rows, pad_id, d["device"])
+        b = collate(rows, pad_id, d["device"])
+        mask, rmask = b["mask"], b["rmask"]
         with cpu_autocast(cfg, d):
-            logp, entropy = token_logp(model, ids, attn, pos, mask.shape[1], cfg.temperature, cfg.logp_chunk_tokens)
+            logp, entropy = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)
         if on_policy:
             old = logp.detach()
         else:
             old = torch.zeros_like(logp)
-            for i, r in enumerate(rows):
-                old[i, :len(r["ids"])] = r["old_logp"]
+            for i, s in enumerate(s for row in rows for s in row):
+                old[i, :len(s["ids"])] = s["old_logp"]
         loss, c_low, c_high = policy_loss(
-            logp, old, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
+            logp, old, b["adv"], mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
             token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"], n_samples=mb["n_samples"])
         # FSDP2 averages gradients over ranks; the loss is already a global mean (its denominators
         # count all ranks), so undo that average.
         (loss * d["world"]).backward()
         for k, v in (("loss", loss.item()), ("clip_low", c_low), ("clip_high", c_high),
                      ("loss_tokens", mask.gt(0).sum().item()), ("entropy", (entropy * rmask).sum().item()),
-                     ("gap", ((old - elogp).abs() * rmask).sum().item()),  # engine vs trainer, pre-update
-                     ("tokens", rmask.sum().item()), ("real", attn.sum().item()), ("all", attn.numel())):
+                     ("gap", ((old - b["engine_logp"]).abs() * rmask).sum().item()),  # engine vs trainer
+                     ("tokens", rmask.sum().item()), ("real", b["real"]), ("all", b["ids"].numel())):
             m[k] = m.get(k, 0.0) + v
 
 
@@ -857,6 +901,9 @@ def estimate_memory(cfg, n_gpus):
     t0, GiB, fake = time.time(), 2 ** 30, not dist.is_initialized()
     config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     d = dict(rank=0, world=n_gpus, device=torch.device("cpu"))
+    T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len  # validate(): T <= micro_batch
+    b = collate([[dict(prompt_ids=[0] * (T - R), ids=torch.randint(0, config.vocab_size, (R,)).tolist(),
+                       weight=1.0, adv=1.0, engine_logp=[0.0] * R)]], 0, d["device"])  # one longest row
     with contextlib.ExitStack() as stack:
         if fake:
             dist.init_process_group("fake", rank=0, world_size=n_gpus, store=FakeStore())
@@ -877,10 +924,7 @@ def estimate_memory(cfg, n_gpus):
             model.to_empty(device="cpu")
         model.train()
         optim = make_optimizer(model, cfg)  # the optimizer main makes
-        T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len  # validate(): T <= micro_batch
-        ids = torch.randint(0, config.vocab_size, (1, T))
-        attn, pos, adv = torch.ones_like(ids), torch.arange(T)[None], torch.ones(1, 1)
-        tracker, peaks, dev = FSDPMemTracker(model, optim), {}, ids.device
+        tracker, peaks, dev = FSDPMemTracker(model, optim), {}, b["ids"].device
 
         def mark(phase):  # the peak since the last mark, then restart the running peak
             gc.collect()  # garbage in reference cycles would otherwise enter the next phase's peak
@@ -889,8 +933,8 @@ def estimate_memory(cfg, n_gpus):
             tracker._peak_mem = {k: v["Total"] for k, v in tracker._peak_mem_snap.items()}
         with tracker:
             for it in range(2):  # the second step, the one with AdamW state, is reported
-                logp = token_logp(model, ids, attn, pos, R, cfg.temperature, cfg.logp_chunk_tokens)[0]
-                loss = -(logp * adv).mean()  # policy_loss adds only (N, R)-sized tensors
+                logp = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)[0]
+                loss = -logp.mean()  # policy_loss adds only (N, R)-sized tensors
                 mark("train.forward")
                 (loss * n_gpus).backward()
                 mark("train.backward")

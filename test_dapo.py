@@ -330,8 +330,9 @@ def _grad_rows():
 
 
 def _unsplit_plan(groups):
+    """One micro-batch of one row per sample."""
     rows = [s for g in groups for s in g["samples"]]
-    return dict(micro=[rows], n_tokens=sum(r["weight"] * len(r["ids"]) for r in rows),
+    return dict(micro=[[[r] for r in rows]], n_tokens=sum(r["weight"] * len(r["ids"]) for r in rows),
                 n_samples=sum(r["weight"] > 0 for r in rows))
 
 
@@ -347,9 +348,8 @@ def _set_old_logp(model, rows, cfg=dapo.Config(bf16=False)):
     d = dict(device=torch.device("cpu"))
     branches = dict(unclipped_pos=0, unclipped_neg=0, clip_high=0, clip_low=0, dual_clip=0)
     for r in rows:
-        ids, attn, pos, *_ = dapo.collate([r], 0, d["device"])
         with torch.no_grad():
-            logp, _ = dapo.token_logp(model, ids, attn, pos, len(r["ids"]), 1.0, 4096)
+            logp, _ = dapo.token_logp(model, dapo.collate([[r]], 0, d["device"]), 1.0, 4096)
         shift = torch.tensor([SHIFTS[(sum(r["ids"]) + t) % len(SHIFTS)] for t in range(len(r["ids"]))])
         r["old_logp"] = logp[0] + shift
         for s in shift.tolist():
@@ -377,7 +377,7 @@ def _reference(model_dir, token_level):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     plan = _unsplit_plan(_grad_rows())
-    branches = _set_old_logp(model, plan["micro"][0])
+    branches = _set_old_logp(model, [row[0] for row in plan["micro"][0]])
     assert all(n > 0 for n in branches.values()), branches  # every branch is compared
     return model, plan, _grads(model, plan, dapo.Config(bf16=False, token_level_loss=token_level))
 
@@ -393,10 +393,42 @@ def test_micro_batch_split_matches_unsplit(tiny_model, token_level):
     rows = plan["micro"][0]
     plan["micro"] = [rows[0:2], rows[2:7], rows[7:8], rows[8:]]
     assert _rel_err(_grads(model, plan, cfg), whole) < 1e-5
-    parts = [_grads(model, dict(micro=[r], n_tokens=sum(x["weight"] * len(x["ids"]) for x in r),
-                                n_samples=sum(x["weight"] > 0 for x in r)), cfg) for r in plan["micro"]]
+    parts = [_grads(model, dict(micro=[r], n_tokens=sum(x["weight"] * len(x["ids"]) for [x] in r),
+                                n_samples=sum(x["weight"] > 0 for [x] in r)), cfg) for r in plan["micro"]]
     wrong = {k: sum(p[k] for p in parts) / len(parts) for k in whole}  # each micro-batch by itself
     assert _rel_err(wrong, whole) > 1e-3
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_shared_prompt_rows_match_one_row_per_sample(tiny_model, token_level):
+    """share_prompt: each group's prompt once, its responses behind it under a
+    block mask, gives the log-probs and the gradient of one row per sample, also
+    with groups split over rows and micro-batches (a 28-token budget). A mask
+    that lets a response see its group's other responses is shown to differ."""
+    model, plan, whole = _reference(tiny_model, token_level)
+    cfg = dapo.Config(bf16=False, token_level_loss=token_level, share_prompt=True, micro_batch_tokens=28,
+                      logp_chunk_tokens=5)
+    groups = _grad_rows()
+    samples = [s for g in groups for s in g["samples"]]
+    _set_old_logp(model, samples)  # the reference's old log-probs (they depend on the sample only)
+    rows = sorted(dapo.make_rows(groups, cfg), key=dapo.row_len)
+    micro = dapo.micro_batches(rows, cfg.micro_batch_tokens)
+    assert max(map(len, rows)) >= 3 and len(rows) > len(groups) and len(micro) >= 2  # shared, split
+    assert all(dapo.row_len(r) * len(mb) <= 28 for mb in micro for r in mb)
+    assert sorted(map(id, samples)) == sorted(id(s) for r in rows for s in r)  # each sample once
+    shared = dict(plan, micro=micro)
+    assert _rel_err(_grads(model, shared, cfg), whole) < 1e-5
+    b = dapo.collate(rows, 0, torch.device("cpu"))  # all rows at once: padded ones too
+    assert b["attn"].dim() == 4
+    with torch.no_grad():
+        logp = dapo.token_logp(model, b, 1.0, 0)[0]
+        alone = [dapo.token_logp(model, dapo.collate([[s]], 0, torch.device("cpu")), 1.0, 0)[0][0]
+                 for row in rows for s in row]
+        assert all(torch.allclose(logp[i, :len(a)], a, atol=1e-5) for i, a in enumerate(alone))
+        L = b["ids"].shape[1]  # plain causal + padding mask: responses see their group's earlier ones
+        causal = torch.ones(L, L, dtype=torch.bool).tril() & (b["ids"] != 0)[:, None, None, :]
+        wrong = dapo.token_logp(model, dict(b, attn=causal), 1.0, 0)[0]
+        assert (wrong - logp).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("chunk", [4, 5, 1000, 0])
@@ -409,6 +441,9 @@ def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     ids = torch.randint(10, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     attn, pos = torch.ones_like(ids), torch.arange(16).expand(2, 16)
+    b = dapo.collate([[dict(prompt_ids=r[:6].tolist(), ids=r[6:].tolist(), weight=1.0, adv=0.0,
+                            engine_logp=[0.0] * 10)] for r in ids], 0, torch.device("cpu"))
+    assert torch.equal(b["ids"], ids)
     weight = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
 
     def grads_of(logp):
@@ -421,7 +456,7 @@ def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
     ref_logp = full.gather(-1, ids[:, -10:, None]).squeeze(-1)
     ref_entropy = -(full.exp() * full).sum(-1).detach()
     ref = grads_of(ref_logp)
-    logp, entropy = dapo.token_logp(model, ids, attn, pos, 10, 0.7, chunk)
+    logp, entropy = dapo.token_logp(model, b, 0.7, chunk)
     assert logp.shape == (2, 10) and torch.allclose(logp, ref_logp, atol=1e-6, rtol=1e-6)
     assert torch.allclose(entropy, ref_entropy, atol=1e-5, rtol=0)
     assert _rel_err(grads_of(logp), ref) < 1e-5  # fp32 summation order; a wrong boundary is O(1)
@@ -532,6 +567,7 @@ def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
     _torchrun(1, __file__, "push", tiny_model, str(out), "1")
     r = json.loads(out.read_text())
     assert r["gap_start"] < 1e-3  # same weights at start
+    assert r["seeded_repeat"]  # seeded rollouts repeat exactly, across several prefill passes
     assert r["gap_stale"] > 0.1  # trainer moved, engine not yet pushed
     assert r["gap_pushed"] < 1e-3  # pushed: engine matches the trainer again
 
@@ -562,12 +598,18 @@ def _worker_push(model_dir, out, tp):
         torch.distributed.all_gather_object(everyone, outs)
         result["same_samples_on_tp_ranks"] = all(o == everyone[0] for o in everyone)
         rows = [dict(s, prompt_ids=p, weight=1.0, adv=0.0) for p, g in zip(prompts, outs) for s in g]
-        ids, attn, pos, mask, rmask, elogp, adv = dapo.collate(rows, tok.pad_token_id, d["device"])
+        b = dapo.collate([[r] for r in rows], tok.pad_token_id, d["device"])
         with torch.no_grad():
-            logp, _ = dapo.token_logp(model, ids, attn, pos, mask.shape[1], 1.0, 7)
-        return (((logp - elogp).abs() * rmask).sum() / rmask.sum()).item()
+            logp, _ = dapo.token_logp(model, b, 1.0, 7)
+        return (((logp - b["engine_logp"]).abs() * b["rmask"]).sum() / b["rmask"].sum()).item()
 
     result["gap_start"] = gap()
+    # seeded samples of more prompt tokens than one prefill pass takes (4,096): a split prompt rewinds
+    # its seeded generator, which only CUDA generators can (vLLM on CPU raised)
+    long_prompts = [[10 + (i * 7 + t) % 500 for t in range(50)] for i in range(40)]
+    seeds = [1000 * i for i in range(40)]
+    first = dapo.generate(engine, long_prompts, 4, 8, 1.0, 1.0, seeds)
+    result["seeded_repeat"] = first == dapo.generate(engine, long_prompts, 4, 8, 1.0, 1.0, seeds)
     with torch.no_grad():
         torch.manual_seed(0)
         for p in model.parameters():
