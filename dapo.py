@@ -594,36 +594,34 @@ def micro_batches(rows, budget):
 def collate(rows, pad_id, device):
     """One micro-batch as tensors: ids, attn, pos (one right-padded line per row). A response sees its
     prompt and itself: positions restart after the prompt, and a row of several responses gets a
-    block-causal (rows, 1, L, L) mask (sdpa's True = attend). Each response token in order: src, the flat
-    index of the position that predicts it, and tgt, the token. For the S samples (S, R): mask (loss
+    block-causal (rows, 1, L, L) mask (sdpa's True = attend). For every response token in order: src, the
+    flat index of the position that predicts it, and tgt, the token. For the S samples (S, R): mask (loss
     weight), rmask (1 on response tokens), engine_logp; adv (S,); real, the number of non-pad tokens."""
-    L, R = max(map(row_len, rows)), max(len(s["ids"]) for row in rows for s in row)
-    samples = [s for row in rows for s in row]
+    L, samples = max(map(row_len, rows)), [s for row in rows for s in row]
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     pos, seg = torch.zeros_like(ids), torch.full_like(ids, -1)  # seg: 0 prompt, k response k, -1 pad
-    src, tgt = [], []
-    mask, rmask, engine_logp = (torch.zeros(len(samples), R) for _ in range(3))
-    i = 0
+    src = []
     for u, row in enumerate(rows):
         p = len(row[0]["prompt_ids"])
         ids[u, :p], pos[u, :p], seg[u, :p] = torch.tensor(row[0]["prompt_ids"]), torch.arange(p), 0
         c = p
         for k, s in enumerate(row, 1):
             n = len(s["ids"])
-            ids[u, c:c + n], pos[u, c:c + n], seg[u, c:c + n] = torch.tensor(s["ids"], dtype=torch.long), \
-                torch.arange(p, p + n), k
-            src += [u * L + t for t in [p - 1, *range(c, c + n - 1)][:n]]  # position t-1 predicts t
-            tgt += s["ids"]
-            mask[i, :n], rmask[i, :n] = s["weight"], 1
-            engine_logp[i, :n] = torch.tensor(s["engine_logp"], dtype=torch.float32)
-            c, i = c + n, i + 1
+            ids[u, c:c + n], pos[u, c:c + n], seg[u, c:c + n] = torch.tensor(s["ids"]), torch.arange(p, p + n), k
+            src += [u * L + t for t in (p - 1, *range(c, c + n - 1))][:n]  # position t-1 predicts token t
+            c += n
+    mask, rmask, engine_logp = (torch.zeros(len(samples), max(len(s["ids"]) for s in samples)) for _ in range(3))
+    for i, s in enumerate(samples):
+        n = len(s["ids"])
+        mask[i, :n], rmask[i, :n], engine_logp[i, :n] = s["weight"], 1, torch.tensor(s["engine_logp"])
     if max(map(len, rows)) == 1:
         attn = (seg >= 0).long()  # one response per row: the model's own causal + padding mask
     else:  # key k visible to query q iff k <= q, k is no pad, and k is the prompt or q's own response
         q, k = seg[:, :, None], seg[:, None, :]
         attn = (torch.ones(L, L, dtype=torch.bool).tril() & (k >= 0) & ((k == 0) | (k == q)))[:, None]
-    b = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=torch.tensor(tgt), mask=mask, rmask=rmask, engine_logp=engine_logp,
-             adv=torch.tensor([s["adv"] for s in samples], dtype=torch.float32))
+    tgt = torch.tensor([t for s in samples for t in s["ids"]])  # the token each src position predicts
+    b = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=tgt, mask=mask, rmask=rmask,
+             engine_logp=engine_logp, adv=torch.tensor([float(s["adv"]) for s in samples]))
     return dict({k: v.to(device) for k, v in b.items()}, real=int((seg >= 0).sum()))
 
 
