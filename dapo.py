@@ -596,7 +596,8 @@ def collate(rows, pad_id, device):
     prompt and itself: positions restart after the prompt, and a row of several responses gets a
     block-causal (rows, 1, L, L) mask (sdpa's True = attend). For every response token in order: src, the
     flat index of the position that predicts it, and tgt, the token. For the S samples (S, R): mask (loss
-    weight), rmask (1 on response tokens), engine_logp; adv (S,); real, the number of non-pad tokens."""
+    weight), rmask (1 on response tokens), engine_logp; adv (S,); samples, in that order; real, the number
+    of non-pad tokens."""
     L, samples = max(map(row_len, rows)), [s for row in rows for s in row]
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     pos, seg = torch.zeros_like(ids), torch.full_like(ids, -1)  # seg: 0 prompt, k response k, -1 pad
@@ -622,7 +623,7 @@ def collate(rows, pad_id, device):
     tgt = torch.tensor([t for s in samples for t in s["ids"]])  # the token each src position predicts
     b = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=tgt, mask=mask, rmask=rmask,
              engine_logp=engine_logp, adv=torch.tensor([float(s["adv"]) for s in samples]))
-    return dict({k: v.to(device) for k, v in b.items()}, real=int((seg >= 0).sum()))
+    return dict({k: v.to(device) for k, v in b.items()}, samples=samples, real=int((seg >= 0).sum()))
 
 
 def token_logp(model, b, temperature, chunk):
@@ -659,9 +660,9 @@ def old_log_probs(model, plan, cfg, d, pad_id):
     with torch.no_grad(), cpu_autocast(cfg, d):
         for mb in plan:
             for rows in mb["micro"]:
-                logp, _ = token_logp(model, collate(rows, pad_id, d["device"]), cfg.temperature,
-                                     cfg.logp_chunk_tokens)
-                for s, lp in zip((s for row in rows for s in row), logp):
+                b = collate(rows, pad_id, d["device"])
+                logp, _ = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)
+                for s, lp in zip(b["samples"], logp):
                     s["old_logp"] = lp[:len(s["ids"])].cpu()
 
 
@@ -706,7 +707,7 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
             old = logp.detach()
         else:
             old = torch.zeros_like(logp)
-            for i, s in enumerate(s for row in rows for s in row):
+            for i, s in enumerate(b["samples"]):
                 old[i, :len(s["ids"])] = s["old_logp"]
         loss, c_low, c_high = policy_loss(
             logp, old, b["adv"], mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
