@@ -117,6 +117,8 @@ class Config:
     logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time, recomputed in backward (0.6 GB fp32 "
                                        "logits at a 152k vocabulary); 0 = all at once, kept for backward")
     bf16: bool = opt(True, "bf16 compute: FSDP2 bf16 params on GPU, autocast on CPU")
+    bf16_dither: bool = opt(False, "offset each fp32 master weight of a bf16 checkpoint within its bf16 rounding "
+                                   "cell, so bf16 compute sees small updates from the first one (README)")
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward to save memory")
     offload_optimizer: bool = opt(False, "FSDP2 CPU offload of parameters, gradients and AdamW state")
     collective_timeout_min: float = opt(180.0, "collective timeout: longer than any rank waits for another "
@@ -157,6 +159,8 @@ PRESETS = {  # Table 1's rows, each adding one technique to the row above, and t
         steps=12, prompts_per_step=8, group_size=4, gen_prompts_per_round=16, max_gen_rounds=2,
         max_prompt_len=256, max_response_len=32, overlong_buffer_len=12, lr=1e-5, warmup_steps=0,
         mini_batch_prompts=2, micro_batch_tokens=1024, share_prompt=True, activation_checkpointing=False,
+        bf16=torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported(),  # else fp32: faster
+        bf16_dither=True,
         engine_kv_cache_gb=0.5, eval_every=6, eval_k=2, save_every=12, keep_checkpoints=2),
 }
 
@@ -169,7 +173,8 @@ def parse_config(argv=None):
     preset = pre.parse_known_args(argv)[0].preset
     if preset is None and not torch.cuda.is_available() and "--model" not in argv:
         preset = "cpu"
-        print("dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo); "
+        print(f"dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo) in "
+              f"{'bf16' if PRESETS['cpu']['bf16'] else 'fp32 (no AVX-512 BF16 or AMX)'}; "
               "pass --preset dapo to override", flush=True)
     parser = argparse.ArgumentParser(description="DAPO (arXiv 2503.14476)", allow_abbrev=False)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=preset,
@@ -360,11 +365,27 @@ def load_policy(cfg, d):
     shard(model, cfg, d)
     model.to_empty(device="cpu" if cfg.offload_optimizer else d["device"])  # this rank's shards only
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if cfg.bf16 and cfg.bf16_dither:
+        with torch.no_grad():
+            for p in model.parameters():
+                dither_bf16_(p.to_local() if hasattr(p, "to_local") else p)
     for m in model.modules():  # rotary inv_freq is in no checkpoint: rebuild it, on the compute device
         if "RotaryEmbedding" in type(m).__name__:
             model._init_weights(m)
             m.to(d["device"])
     return tok, model
+
+
+def dither_bf16_(x):
+    """In place: a weight that sits exactly on the bf16 grid (every weight of a bf16 checkpoint) moves by
+    a uniform offset inside its rounding cell. Its bf16 value, the one bf16 compute and the engine see,
+    is unchanged; but from the grid point an update shows in bf16 only after the fp32 master drifted half
+    an ulp (25 same-sign updates for the demo's median weight at lr 1e-5), from a random point an update
+    d shows with probability |d| / ulp: in expectation at once, as with stochastic rounding."""
+    on_grid = (x == x.bfloat16().float()) & (x != 0)
+    _, e = torch.frexp(x * (1 - 2 ** -10))  # x = m 2^e, |m| in [0.5, 1); at a power of two, the finer cell below
+    half_ulp = torch.ldexp(torch.ones_like(x), e - 9)  # bf16 keeps 8 significant bits
+    x.add_((2 * torch.rand_like(x) - 1) * 0.999 * half_ulp * on_grid)
 
 
 def shard(model, cfg, d, bf16_params=None):
@@ -1009,24 +1030,18 @@ def close(engine):
         dist.destroy_process_group()
 
 
-def cpu_setup(cfg, d):
-    """On CPU: fp32 where bf16 would be emulated (slower than fp32), and glibc keeps freed memory. glibc
-    returns every freed block over 32 MB (logits, the embedding's gradient) to the OS and page-faults the
-    next one in: 28% of the demo's CPU time was the kernel's. Keeping it made the demo's updates 2x faster
-    at the same peak; on 160-token sequences it did not help and the peak rose 1-1.5 GB (README)."""
+def cpu_setup(d):
+    """On CPU, glibc keeps freed memory. By default it returns every freed block over 32 MB (logits, the
+    embedding's gradient) to the OS and page-faults the next one in: 28% of the demo's CPU time was the
+    kernel's. Keeping it made the demo's updates 2x faster at the same peak (README)."""
     if d["device"].type != "cpu":
-        return cfg
+        return
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(-4, 0)  # M_MMAP_MAX: big blocks from the heap, not mmap
         libc.mallopt(-1, 2 ** 31 - 1)  # M_TRIM_THRESHOLD: never trim the heap's top
     except (OSError, AttributeError, TypeError):  # not glibc: nothing to tune
         pass
-    if cfg.bf16 and not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
-        if d["rank"] == 0:
-            print("dapo: this CPU has neither AVX-512 BF16 nor AMX: training and rollout in fp32", flush=True)
-        return dataclasses.replace(cfg, bf16=False)
-    return cfg
 
 
 def ensure_demo_model(path):
@@ -1043,7 +1058,7 @@ def ensure_demo_model(path):
 def start(cfg):
     """Processes, the run folder with the resolved config, the sharded policy, then the engine."""
     d = init_distributed(cfg)
-    cfg = cpu_setup(cfg, d)
+    cpu_setup(d)
     if d["rank"] == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -1131,6 +1146,7 @@ def train(cfg, d, tok, model, engine, eval_set):
                                 hf=cfg.hf_export == "every" or step == cfg.steps or stopping)
             metrics["perf/step_s"] = time.time() - t_step
             metrics["perf/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB
+            metrics["perf/rss_gb"] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
             log_metrics(cfg, d, metrics, bar)
             if stopping:
                 if d["rank"] == 0:

@@ -279,6 +279,29 @@ def test_token_level_vs_sample_level_hand_values():
     assert smp.item() == pytest.approx(0.0)
 
 
+def test_bf16_dither_keeps_bf16_values_and_shows_small_updates():
+    """fp32 master weights loaded from a bf16 checkpoint sit on the bf16 grid, so bf16 compute (and
+    the bf16 engine) sees no update smaller than half an ulp: the bug that made the CPU demo learn half
+    as fast in bf16. After dither_bf16_ every bf16 value is unchanged (powers of two and zeros too) and
+    an update of 0.1 ulp moves 1 weight in 10 by one ulp: the bf16 values move by the update in mean."""
+    torch.manual_seed(0)
+    ckpt = torch.cat([torch.randn(200_000) * 0.05, torch.tensor([0.0, 1.0, -0.5, 2.0 ** -10])]).bfloat16().float()
+    _, e = torch.frexp(ckpt)
+    ulp = torch.ldexp(torch.ones_like(ckpt), e - 8)  # of |x| in [2^(e-1), 2^e): bf16 keeps 8 bits
+    x = ckpt.clone()
+    dapo.dither_bf16_(x)
+    assert torch.equal(x.bfloat16().float(), ckpt)  # the policy bf16 compute sees is the checkpoint's
+    assert x[-4] == 0 and (x - ckpt).abs().max() > 0
+    assert ((x - ckpt).abs() < ulp / 2).all()
+    nz = ckpt != 0
+    step = 0.1 * ulp[nz]
+    undithered = (ckpt[nz] + step).bfloat16().float() - ckpt[nz]
+    assert undithered.abs().max() == 0  # the dead zone: nothing moves
+    moved = (x[nz] + step).bfloat16().float() - ckpt[nz]
+    assert ((moved == 0) | (moved > 0) & (moved <= ulp[nz])).all()  # up one cell (a smaller one below -2^k), or not
+    assert (moved / step).mean().item() == pytest.approx(1.0, abs=0.03)  # unbiased: 10% of them by 1 ulp
+
+
 # --- a tiny random Llama with SmolLM2's tokenizer, built once per session ---
 
 @pytest.fixture(scope="session")
@@ -309,6 +332,21 @@ def tiny_model():
         tok.save_pretrained(path + ".tmp")
         os.replace(path + ".tmp", path)
     return path
+
+
+def test_load_policy_dithers_only_when_asked(tiny_model, tmp_path, one_rank):
+    """load_policy on a bf16 checkpoint: with bf16_dither the fp32 master differs from the checkpoint
+    while its bf16 rounding equals it; without, the master is the checkpoint exactly (the paper's runs)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path)
+    ckpt = {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(tmp_path).state_dict().items()}
+    for dither in (False, True):
+        cfg = dapo.Config(model=str(tmp_path), bf16=True, bf16_dither=dither, activation_checkpointing=False)
+        _, model = dapo.load_policy(cfg, one_rank)
+        got = {k: v.full_tensor() for k, v in model.state_dict().items() if k in ckpt}
+        assert all(torch.equal(got[k].bfloat16().float(), ckpt[k]) for k in got)
+        assert any(not torch.equal(got[k], ckpt[k]) for k in got) == dither
 
 
 def _grad_rows():
