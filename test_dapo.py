@@ -1242,6 +1242,57 @@ def test_ctrl_c_stops_cleanly_and_saves(tiny_model, tmp_path):
     assert state["step"] == last and state["data_pos"] == 4 * last
 
 
+
+# data/plot_run.py (a run's figure) and data/results/tables.py (the README's tables)
+
+def _script(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_plot_run_writes_a_png(tmp_path):
+    """The command dapo.py prints at the end draws a committed run into a non-empty PNG."""
+    pytest.importorskip("matplotlib", reason="matplotlib is optional, needed by data/plot_run.py only "
+                                             "(pip install matplotlib; .ci/run installs it)")
+    out = tmp_path / "run.png"
+    p = _script("data/plot_run.py", "data/ablation/dapo_s1.jsonl", "-o", str(out))
+    assert p.returncode == 0, p.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read: No such file or directory"),
+    ('{"step": 1}\n{"bad json\n', ":2: not a JSON line"),
+    ('{"step": 1}\n\n[1, 2]\n', ":3: not a metrics line")])
+def test_plot_run_bad_file_is_one_line(tmp_path, content, message):
+    """A missing file or a malformed line: exit 1 and one stderr line naming the file and the line, no
+    traceback (with or without matplotlib)."""
+    path = tmp_path / "metrics.jsonl"
+    if content is not None:
+        path.write_text(content)
+    p = _script("data/plot_run.py", str(path))
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.strip() == p.stderr.strip().splitlines()[0] and "Traceback" not in p.stderr
+    assert p.stderr.startswith(f"plot_run: {path}") and message in p.stderr
+    assert not (tmp_path / "metrics.png").exists()
+
+
+def test_results_tables_cover_every_committed_run():
+    """Every run under data/results/<cpu-kind>/ gets a row naming its CPU, and Table 1 follows."""
+    p = _script("data/results/tables.py")
+    assert p.returncode == 0, p.stderr
+    import glob
+    runs = glob.glob("data/results/*/*.jsonl")
+    assert runs and all(f"| `{os.path.basename(r)}` | " in p.stdout for r in runs)
+    assert "lscpu flags" in p.stdout and "| dapo | 3 |" in p.stdout
+    step_table = _script("data/results/tables.py", runs[0]).stdout.splitlines()
+    assert len(step_table) == 2 + len(_read_jsonl(runs[0]))
+
+
+def _read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 if __name__ == "__main__":  # workers for the multi-process tests above
     {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload,
      "estimate": _worker_estimate, "scripted_main": _worker_scripted_main}[sys.argv[1]](*sys.argv[2:])
