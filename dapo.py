@@ -1156,6 +1156,11 @@ def train(cfg, d, tok, model, engine, eval_set):
         if bar is not None:
             bar.close()
         close(engine)
+    if d["rank"] == 0:  # where the run's results are, and how to draw them
+        ckpts, log = list_checkpoints(os.path.join(cfg.out_dir, "ckpt")), os.path.join(cfg.out_dir, "metrics.jsonl")
+        plot = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plot_run.py"))
+        print(f"dapo: metrics {log}; last checkpoint {ckpts[-1] if ckpts else 'none'}; "
+              f"figure: python {plot} {log}", flush=True)
     return state
 
 

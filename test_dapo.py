@@ -875,6 +875,8 @@ def test_end_to_end_vllm_one_rank(one_rank_run):
         assert math.isfinite(m["loss/policy"]) and 0 <= m["loss/clip_frac_low"] + m["loss/clip_frac_high"] < 0.5
     assert ms[0]["loss/grad_norm"] > 0 and ms[0]["loss/policy"] != 0  # varied lengths: nonzero advantages
     assert json.load(open(out / "config.json"))["group_size"] == 4
+    log = out / "metrics.jsonl"  # the run's last line: where its results are and how to draw them
+    assert f"dapo: metrics {log}; last checkpoint none; figure: python data/plot_run.py {log}\n" in console
 
 
 def test_console_is_quiet(one_rank_run):
