@@ -18,17 +18,18 @@ DAPO changes relative to GRPO (§2.3), each a config field that turns it off:
    (Eq. 7) lives in reward.py.
 
 Also from the released recipe: dual-clip (c = 10) for negative advantages.
-`train()` is Algorithm 1, its lines labelled; `--preset` names Table 1's rows.
+`train()` is Algorithm 1, lines 1-10 labelled where they happen (`# line 6`); line 9's mu iterations are one
+pass over the step's disjoint mini-batches, one AdamW update each (§4.1: 16). `--preset` names Table 1's rows.
 
 Where this file differs from the released recipe, and why:
-1. Dynamic sampling that hits its round cap warns and trains on the groups it
-   has (the released code raises); the learning-rate schedule still advances.
-2. The token mean of Eq. 12 is exact over the whole mini-batch, all micro-
-   batches and ranks (the released code normalises per micro-batch).
+1. Dynamic sampling that hits its round cap warns and trains on the groups it has (the
+   recipe's original run raised; verl 0.9.1 does not); the learning-rate schedule still advances.
+2. Eq. 12's token mean is over the whole mini-batch (all micro-batches and ranks), so every token
+   of an update weighs the same however it is split. Eq. 12 as printed normalises per group inside
+   the expectation; the recipe's original run, per micro-batch (verl 0.9.1: per mini-batch, as here).
 3. The warm-up is linear in rollout steps, from lr/warmup_steps to lr.
 4. Prompts longer than max_prompt_len are dropped, not truncated.
-5. Repeated training prompts are dropped (the hub copy repeats each ~100x);
-   evaluation prompts too (the hub's AIME copy repeats each problem 32x).
+5. Repeated prompts are dropped (the hub copies repeat each ~100x, AIME's 32x).
 6. With one update per step the old-log-prob pass is skipped: the policy has
    not moved, so old_logp = logp.detach() is the same number.
 
@@ -147,13 +148,16 @@ class Config:
     seed: int = opt(0, "seed for data order, engine sampling and torch")
 
 
-GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlong_filter=False, overlong_buffer_len=0)
+GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlong_filter=False,
+            overlong_buffer_len=0, dual_clip_c=0.0)  # naive GRPO: none of §3's techniques, no dual clip
 PRESETS = {  # Table 1's rows, each adding one technique to the row above, and the CPU demo
     "grpo": GRPO, "grpo+overlong_filter": dict(GRPO, overlong_filter=True),
     "grpo+clip_higher": dict(GRPO, overlong_filter=True, eps_high=0.28),
     "grpo+soft_overlong": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096),
-    "grpo+token_level": dict(dynamic_sampling=False, overlong_filter=True), "dapo": {},
-    "cpu": dict(  # SmolLM2-135M on the addition demo; 10 minutes on a 2-core CPU (README)
+    "grpo+token_level": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096,
+                             token_level_loss=True),
+    "dapo": {},  # Table 1's last row (+ dynamic sampling) as released: overlong filter off, dual clip on
+    "cpu": dict(  # SmolLM2-135M on the addition demo; about 5 minutes on 2 cores (README, Results)
         model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
         eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number",
         steps=12, prompts_per_step=8, group_size=4, gen_prompts_per_round=16, max_gen_rounds=2,
@@ -449,7 +453,7 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
 #   penalty      float <= 0     Eq. 13 soft overlong penalty                score_groups
 #   prompt_ids   list[int]      its prompt's token ids                      prepare_samples
 #   adv          float          Eq. 9 advantage of score + penalty          prepare_samples
-#   weight       1.0 | 0.0      0 for a truncated sample under overlong filtering
+#   loss_mask    1.0 | 0.0      0: no loss tokens (truncated, overlong filter)  prepare_samples
 #   old_logp     tensor (n,)    log-prob before this step's updates         old_log_probs
 # A group is dict(idx, prompt_ids, samples=[G samples]). ---
 
@@ -472,9 +476,9 @@ def score_groups(prompts, samples, tok, cfg):
     for ex, group in zip(prompts, samples):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
         for s, text in zip(group, texts):
-            s["score"] = reward.compute_score(text, ex["answer"], cfg.reward_mode)
+            s["score"] = reward.compute_score(text, ex["answer"], cfg.reward_mode)  # Eq. 7
             s["penalty"] = overlong_penalty(len(s["ids"]), cfg.max_response_len, cfg.overlong_buffer_len,
-                                            cfg.overlong_penalty_factor)
+                                            cfg.overlong_penalty_factor)  # Eq. 13
         groups.append(dict(idx=ex["idx"], prompt_ids=ex["prompt_ids"], samples=group))
     return groups
 
@@ -497,13 +501,13 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
     per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
     for rounds in range(1, cfg.max_gen_rounds + 1):
         progress(bar, f"round {rounds}: sampling, {len(kept)}/{cfg.prompts_per_step} groups kept")
-        prompts = take_prompts(train_set, data_pos, per_round, cfg.seed)
+        prompts = take_prompts(train_set, data_pos, per_round, cfg.seed)  # line 2
         data_pos += per_round
         mine = prompts[d["dp_rank"]::d["n_dp"]]
         t0 = time.time()
-        samples = rollout(mine)
+        samples = rollout(mine)  # line 4 (train's rollout: generate)
         t1 = time.time()
-        local = score(mine, samples)
+        local = score(mine, samples)  # line 5 (train's score: score_groups)
         t_gen, t_score = t_gen + t1 - t0, t_score + time.time() - t1
         parts = gather_dp(local, d)  # collective: all ranks, every round
         groups = [parts[i % d["n_dp"]][i // d["n_dp"]] for i in range(len(prompts))]
@@ -512,11 +516,11 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
         informative = dynamic_sampling_mask(torch.tensor([s["score"] > 0 for s in round_flat]), cfg.group_size)
         n_informative += int(informative.sum())
         keep = informative if cfg.dynamic_sampling else torch.ones_like(informative)
-        kept += [g for g, k in zip(groups, keep.tolist()) if k]
-        if len(kept) >= cfg.prompts_per_step:
+        kept += [g for g, k in zip(groups, keep.tolist()) if k]  # line 6: Eq. 11's filter into the buffer
+        if len(kept) >= cfg.prompts_per_step:  # line 7: a full buffer ends the rounds
             break
     kept = kept[:cfg.prompts_per_step]  # trim the surplus, the same on every rank
-    if len(kept) < cfg.prompts_per_step and d["rank"] == 0:  # deviation 1 (the released code raises)
+    if len(kept) < cfg.prompts_per_step and d["rank"] == 0:  # deviation 1 (the original run raised)
         warnings.warn(f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
                       f"{rounds} rounds; " + ("training on those" if kept else "skipping the update"))
     lengths, n = [len(s["ids"]) for s in flat], len(flat)
@@ -534,7 +538,7 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
     }, data_pos
 
 
-# --- §2.2 group advantages (Eq. 9): line 8 ---
+# --- §3 group advantages (Eq. 9; GRPO's Eq. 4 of §2.2): line 8 ---
 
 def group_advantages(reward, group_size, eps=1e-6):
     """Eq. 9: (R - mean) / (std + eps) within each group, with the unbiased std of the released code.
@@ -544,13 +548,13 @@ def group_advantages(reward, group_size, eps=1e-6):
 
 
 def prepare_samples(kept, cfg):
-    """Eq. 9 advantages of the shaped reward (Eq. 7 score + Eq. 13 penalty); the loss weight is 0 for
+    """Eq. 9 advantages of the shaped reward (Eq. 7 score + Eq. 13 penalty); loss_mask is 0 for
     truncated samples under overlong filtering (§3.4)."""
     samples = [dict(s, prompt_ids=g["prompt_ids"]) for g in kept for s in g["samples"]]
     shaped = torch.tensor([s["score"] + s["penalty"] for s in samples])
     for s, a in zip(samples, group_advantages(shaped, cfg.group_size, cfg.adv_eps).tolist()):
         s["adv"] = a
-        s["weight"] = 0.0 if cfg.overlong_filter and s["finish"] == "length" else 1.0
+        s["loss_mask"] = 0.0 if cfg.overlong_filter and s["finish"] == "length" else 1.0
     return [dict(g, samples=samples[i * cfg.group_size:(i + 1) * cfg.group_size]) for i, g in enumerate(kept)]
 
 
@@ -566,17 +570,17 @@ def plan_updates(groups, cfg, d):
         mine = rows[d["rank"]::d["world"]]
         mbs = micro_batches(mine, cfg.micro_batch_tokens)
         n_max = int(all_reduce([len(mbs)], d, dist.ReduceOp.MAX)[0])
-        while len(mbs) < n_max:  # equalise: halve the largest micro-batch, or add a zero-weight one
+        while len(mbs) < n_max:  # equalise: halve the largest micro-batch, or add a dummy one
             big = max(range(len(mbs)), key=lambda i: len(mbs[i])) if mbs else None
             if big is not None and len(mbs[big]) > 1:
                 half = len(mbs[big]) // 2
                 mbs[big:big + 1] = [mbs[big][:half], mbs[big][half:]]
-            else:
-                mbs.append([[dict(rows[0][0], weight=0.0)]])
+            else:  # a real sample to run (this rank may hold no row; rows[0] exists), with no loss tokens
+                mbs.append([[dict(rows[0][0], loss_mask=0.0)]])
         # Eq. 12 and Eq. 5 denominators over the whole mini-batch, all ranks (an all-reduce): deviation 2
         samples = [s for row in mine for s in row]
-        n_tokens, n_samples = all_reduce([sum(s["weight"] * len(s["ids"]) for s in samples),
-                                          sum(1 for s in samples if s["weight"] > 0)], d)
+        n_tokens, n_samples = all_reduce([sum(s["loss_mask"] * len(s["ids"]) for s in samples),
+                                          sum(1 for s in samples if s["loss_mask"] > 0)], d)
         plan.append(dict(micro=mbs, n_tokens=n_tokens, n_samples=n_samples))
     return plan
 
@@ -616,34 +620,36 @@ def collate(rows, pad_id, device):
     """One micro-batch as tensors: ids, attn, pos (one right-padded line per row). A response sees its
     prompt and itself: positions restart after the prompt, and a row of several responses gets a
     block-causal (rows, 1, L, L) mask (sdpa's True = attend). For every response token in order: src, the
-    flat index of the position that predicts it, and tgt, the token. For the S samples (S, R): mask (loss
-    weight), rmask (1 on response tokens), engine_logp; adv (S,); samples, in that order; real, the number
-    of non-pad tokens."""
+    flat index of the position that predicts it, and tgt, the token. For the S samples (S, R): loss_mask
+    (the sample's loss_mask on its tokens), resp_mask (1 on response tokens), engine_logp; adv (S,);
+    samples, in that order; real, the number of non-pad tokens."""
     L, samples = max(map(row_len, rows)), [s for row in rows for s in row]
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     pos, seg = torch.zeros_like(ids), torch.full_like(ids, -1)  # seg: 0 prompt, k response k, -1 pad
     src = []
-    for u, row in enumerate(rows):
-        p = len(row[0]["prompt_ids"])
-        ids[u, :p], pos[u, :p], seg[u, :p] = torch.tensor(row[0]["prompt_ids"]), torch.arange(p), 0
-        c = p
+    for r, row in enumerate(rows):
+        plen = len(row[0]["prompt_ids"])
+        ids[r, :plen], pos[r, :plen], seg[r, :plen] = torch.tensor(row[0]["prompt_ids"]), torch.arange(plen), 0
+        at = plen  # where the next response starts
         for k, s in enumerate(row, 1):
             n = len(s["ids"])
-            ids[u, c:c + n], pos[u, c:c + n], seg[u, c:c + n] = torch.tensor(s["ids"]), torch.arange(p, p + n), k
-            src += [u * L + t for t in (p - 1, *range(c, c + n - 1))][:n]  # position t-1 predicts token t
-            c += n
-    mask, rmask, engine_logp = (torch.zeros(len(samples), max(len(s["ids"]) for s in samples)) for _ in range(3))
+            ids[r, at:at + n], seg[r, at:at + n] = torch.tensor(s["ids"]), k
+            pos[r, at:at + n] = torch.arange(plen, plen + n)  # every response continues from its prompt
+            src += [r * L + t for t in (plen - 1, *range(at, at + n - 1))][:n]  # position t-1 predicts token t
+            at += n
+    S, R = len(samples), max(len(s["ids"]) for s in samples)
+    loss_mask, resp_mask, engine_logp = (torch.zeros(S, R) for _ in range(3))
     for i, s in enumerate(samples):
         n = len(s["ids"])
-        mask[i, :n], rmask[i, :n], engine_logp[i, :n] = s["weight"], 1, torch.tensor(s["engine_logp"])
+        loss_mask[i, :n], resp_mask[i, :n], engine_logp[i, :n] = s["loss_mask"], 1, torch.tensor(s["engine_logp"])
     if max(map(len, rows)) == 1:
         attn = (seg >= 0).long()  # one response per row: the model's own causal + padding mask
     else:  # key k visible to query q iff k <= q, k is no pad, and k is the prompt or q's own response
         q, k = seg[:, :, None], seg[:, None, :]
         attn = (torch.ones(L, L, dtype=torch.bool).tril() & (k >= 0) & ((k == 0) | (k == q)))[:, None]
     tgt = torch.tensor([t for s in samples for t in s["ids"]])  # the token each src position predicts
-    b = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=tgt, mask=mask, rmask=rmask,
-             engine_logp=engine_logp, adv=torch.tensor([float(s["adv"]) for s in samples]))
+    b = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=tgt, loss_mask=loss_mask,
+             resp_mask=resp_mask, engine_logp=engine_logp, adv=torch.tensor([float(s["adv"]) for s in samples]))
     return dict({k: v.to(device) for k, v in b.items()}, samples=samples, real=int((seg >= 0).sum()))
 
 
@@ -667,7 +673,7 @@ def token_logp(model, b, temperature, chunk):
         if torch.is_grad_enabled() and chunk else piece
     chunk = chunk or len(target)  # 0: the whole head at once, its logits kept for backward
     parts = [run(h[i:i + chunk], target[i:i + chunk]) for i in range(0, len(target), chunk)]
-    valid = b["rmask"].bool()
+    valid = b["resp_mask"].bool()
     return [torch.zeros(valid.shape, device=h.device).masked_scatter(valid, torch.cat(p)) for p in zip(*parts)]
 
 
@@ -677,7 +683,7 @@ def cpu_autocast(cfg, d):
 
 
 def old_log_probs(model, plan, cfg, d, pad_id):
-    """Line 3, pi_theta_old <- pi_theta: one no-grad pass before the first update."""
+    """Line 3's trainer half (see train): pi_theta_old's log-probs, one no-grad pass before the first update."""
     with torch.no_grad(), cpu_autocast(cfg, d):
         for mb in plan:
             for rows in mb["micro"]:
@@ -689,27 +695,28 @@ def old_log_probs(model, plan, cfg, d, pad_id):
 
 # --- §3.1 Clip-Higher (Eq. 10), §3.3 token-level loss (Eq. 12) ---
 
-def policy_loss(logp, old_logp, adv, mask, *, eps_low, eps_high, dual_clip_c, token_level, n_tokens, n_samples):
+def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_c, token_level, n_tokens,
+                n_samples):
     """The micro-batch's share of the mini-batch loss (minus Eq. 8's objective).
 
-    logp, old_logp, mask: (N, T); adv: (N,). n_tokens and n_samples count the loss tokens and the samples
-    with any loss token in the WHOLE mini-batch (all micro-batches, all ranks), so summing the shares over
-    any split gives the unsplit loss: Eq. 12 divides by all tokens, Eq. 5 averages per sample.
+    logp, old_logp, loss_mask: (N, T); adv: (N,). n_tokens and n_samples count the loss tokens and the
+    samples with any loss token in the WHOLE mini-batch (all micro-batches, all ranks), so summing the shares
+    over any split gives the unsplit loss: Eq. 12 divides by all tokens, Eq. 5 averages per sample.
     Returns (loss, number of tokens clipped low, number clipped high).
     """
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(logp - old_logp)  # Eq. 9's r_i,t(theta)
     a = adv[:, None]
-    obj = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # Eq. 10
+    obj = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # Eq. 10, inside Eq. 8
     if dual_clip_c > 0:  # released recipe: bound a negative advantage's loss by c * |A|
         obj = torch.where(a < 0, torch.maximum(obj, dual_clip_c * a), obj)
-    tok_loss = -obj * mask
-    if token_level:
+    tok_loss = -obj * loss_mask
+    if token_level:  # Eq. 12
         loss = tok_loss.sum() / max(n_tokens, 1)
-    else:
-        loss = (tok_loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(n_samples, 1)
+    else:  # Eq. 5
+        loss = (tok_loss.sum(1) / loss_mask.sum(1).clamp(min=1)).sum() / max(n_samples, 1)
     with torch.no_grad():
-        clip_low = ((ratio < 1 - eps_low) & (a < 0) & (mask > 0)).sum().item()
-        clip_high = ((ratio > 1 + eps_high) & (a > 0) & (mask > 0)).sum().item()
+        clip_low = ((ratio < 1 - eps_low) & (a < 0) & (loss_mask > 0)).sum().item()
+        clip_high = ((ratio > 1 + eps_high) & (a > 0) & (loss_mask > 0)).sum().item()
     return loss, clip_low, clip_high
 
 
@@ -721,7 +728,7 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
     (deviation 6). Adds this rank's sums to the counters m."""
     for rows in mb["micro"]:
         b = collate(rows, pad_id, d["device"])
-        mask, rmask = b["mask"], b["rmask"]
+        loss_mask, resp_mask = b["loss_mask"], b["resp_mask"]
         with cpu_autocast(cfg, d):
             logp, entropy = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)
         if on_policy:
@@ -731,33 +738,35 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
             for i, s in enumerate(b["samples"]):
                 old[i, :len(s["ids"])] = s["old_logp"]
         loss, c_low, c_high = policy_loss(
-            logp, old, b["adv"], mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
-            token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"], n_samples=mb["n_samples"])
+            logp, old, b["adv"], loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+            dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"],
+            n_samples=mb["n_samples"])
         # FSDP2 averages gradients over ranks; the loss is already a global mean (its denominators
         # count all ranks), so undo that average.
         (loss * d["world"]).backward()
         for k, v in (("loss", loss.item()), ("clip_low", c_low), ("clip_high", c_high),
-                     ("loss_tokens", mask.gt(0).sum().item()), ("entropy", (entropy * rmask).sum().item()),
-                     ("gap", ((old - b["engine_logp"]).abs() * rmask).sum().item()),  # engine vs trainer
-                     ("tokens", rmask.sum().item()), ("real", b["real"]), ("all", b["ids"].numel())):
+                     ("loss_tokens", loss_mask.gt(0).sum().item()),
+                     ("entropy", (entropy * resp_mask).sum().item()),
+                     ("gap", ((old - b["engine_logp"]).abs() * resp_mask).sum().item()),  # engine vs trainer
+                     ("tokens", resp_mask.sum().item()), ("real", b["real"]), ("all", b["ids"].numel())):
             m[k] = m.get(k, 0.0) + v
 
 
 def train_step(model, optim, plan, cfg, d, tok, bar=None):
     """Old log-probs, then one clipped AdamW update per mini-batch (§4.1: 16). A non-finite gradient
-    norm skips its update."""
+    norm skips its update. Line 9's mu iterations: one pass over the step's disjoint mini-batches."""
     t0 = time.time()
     if len(plan) > 1:
         progress(bar, "old log-probs")
         old_log_probs(model, plan, cfg, d, tok.pad_token_id)
     t_old, m, grad_norms = time.time(), {}, []
-    for i, mb in enumerate(plan):
+    for i, mb in enumerate(plan):  # line 9
         progress(bar, f"update {i + 1}/{len(plan)}")
         accumulate_grads(model, mb, cfg, d, tok.pad_token_id, m, on_policy=len(plan) == 1)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if torch.isfinite(grad_norm):
-            optim.step()
+            optim.step()  # line 10: one AdamW update on the mini-batch's gradient of Eq. 8
         optim.zero_grad(set_to_none=True)
         grad_norms.append(grad_norm.item())
     t_end = time.time()
@@ -788,7 +797,7 @@ def check_finite(bad_updates, grad_norms, step):
     return bad_updates
 
 
-# --- Push the new weights into the engine, in place (the next line 3) ---
+# --- Push the new weights into the engine, in place (line 3, see train) ---
 
 def full_params(model, dtype, device):
     """(name, full tensor) for each weight, gathered one at a time. Every rank must iterate it to the end:
@@ -923,7 +932,7 @@ def estimate_memory(cfg, n_gpus):
     d = dict(rank=0, world=n_gpus, device=torch.device("cpu"))
     T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len  # validate(): T <= micro_batch
     b = collate([[dict(prompt_ids=[0] * (T - R), ids=torch.randint(0, config.vocab_size, (R,)).tolist(),
-                       weight=1.0, adv=1.0, engine_logp=[0.0] * R)]], 0, d["device"])  # one longest row
+                       loss_mask=1.0, adv=1.0, engine_logp=[0.0] * R)]], 0, d["device"])  # one longest row
     with contextlib.ExitStack() as stack:
         if fake:
             dist.init_process_group("fake", rank=0, world_size=n_gpus, store=FakeStore())
@@ -1118,20 +1127,21 @@ def train(cfg, d, tok, model, engine, eval_set):
     try:
         while state["step"] < cfg.steps:  # line 1
             step, t_step = state["step"] + 1, time.time()
-            # Lines 2-7: a batch of prompts, G samples each from pi_theta_old (the engine), rewards (Eq. 7, 13),
-            # the dynamic-sampling filter (Eq. 11), in rounds until the buffer holds B groups.
+            # Lines 2-7, labelled in collect_groups: prompts, G samples each, rewards, Eq. 11, until B groups.
             kept, metrics, state["data_pos"] = collect_groups(cfg, d, train_set, state["data_pos"], rollout, score, bar)
             metrics.update(step=step, **{"loss/lr": sched.get_last_lr()[0]})
             sleep(engine, cfg, d)
             if kept:
                 _fault_point("step", step)
                 groups = prepare_samples(kept, cfg)  # line 8: advantages (Eq. 9)
-                # Lines 9-10: old log-probs (line 3), then one update per mini-batch (Eq. 8, 10, 12).
+                # Lines 9-10, labelled in train_step: one update per mini-batch (Eq. 8, 10, 12).
                 metrics.update(train_step(model, optim, plan_updates(groups, cfg, d), cfg, d, tok, bar))
                 bad_updates = check_finite(bad_updates, metrics.pop("grad_norms"), step)
             sched.step()
             t0 = time.time()
-            progress(bar, "weight push")  # the next line 3: the engine samples from the new policy
+            # line 3 (pi_theta_old <- pi_theta) for the next step: the engine that samples line 4 gets the new weights
+            # here; the trainer's old_logp come from old_log_probs before its first update (deviation 6: or logp)
+            progress(bar, "weight push")
             wake(engine, cfg, d, ["weights"])
             push_weights(model, engine, cfg, d)
             wake(engine, cfg, d, ["kv_cache"])

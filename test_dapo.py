@@ -351,7 +351,7 @@ def test_load_policy_dithers_only_when_asked(tiny_model, tmp_path, one_rank):
 
 def _grad_rows():
     """12 samples of 3 groups with varied lengths, advantages of both signs and
-    one truncated (weight 0) sample, so every normalisation mistake shows."""
+    one truncated (loss_mask 0) sample, so every normalisation mistake shows."""
     g = torch.Generator().manual_seed(1)
     groups = []
     for gi in range(3):
@@ -361,7 +361,7 @@ def _grad_rows():
             n = int(torch.randint(2, 14, (1,), generator=g))
             ids = torch.randint(10, 1000, (n,), generator=g).tolist()
             samples.append(dict(ids=ids, prompt_ids=prompt, adv=float(torch.randn(1, generator=g)),
-                                weight=0.0 if (gi, si) == (1, 2) else 1.0,
+                                loss_mask=0.0 if (gi, si) == (1, 2) else 1.0,
                                 engine_logp=[0.0] * n, finish="stop"))
         groups.append(dict(idx=gi, prompt_ids=prompt, samples=samples))
     return groups
@@ -370,8 +370,8 @@ def _grad_rows():
 def _unsplit_plan(groups):
     """One micro-batch of one row per sample."""
     rows = [s for g in groups for s in g["samples"]]
-    return dict(micro=[[[r] for r in rows]], n_tokens=sum(r["weight"] * len(r["ids"]) for r in rows),
-                n_samples=sum(r["weight"] > 0 for r in rows))
+    return dict(micro=[[[r] for r in rows]], n_tokens=sum(r["loss_mask"] * len(r["ids"]) for r in rows),
+                n_samples=sum(r["loss_mask"] > 0 for r in rows))
 
 
 # old_logp = current logp + one of these per token: ratios 0.67, 0.90, 1.11, 1.49, 13.5, so
@@ -395,7 +395,7 @@ def _set_old_logp(model, rows, bf16=False):
             ratio, a = math.exp(-s), r["adv"]
             key = ("clip_high" if ratio > 1.28 else "unclipped_pos") if a > 0 else \
                 ("dual_clip" if ratio > 10 else "clip_low" if ratio < 0.8 else "unclipped_neg")
-            branches[key] += r["weight"] > 0
+            branches[key] += r["loss_mask"] > 0
     return branches
 
 
@@ -440,8 +440,8 @@ def test_micro_batch_split_matches_unsplit(tiny_model, token_level, bf16):
     plan["micro"] = [rows[0:2], rows[2:7], rows[7:8], rows[8:]]
     print(f"split vs unsplit, bf16={bf16}: rel err {_rel_err(_grads(model, plan, cfg), whole):.2e}")
     assert _rel_err(_grads(model, plan, cfg), whole) < SPLIT_TOL[bf16]
-    parts = [_grads(model, dict(micro=[r], n_tokens=sum(x["weight"] * len(x["ids"]) for [x] in r),
-                                n_samples=sum(x["weight"] > 0 for [x] in r)), cfg) for r in plan["micro"]]
+    parts = [_grads(model, dict(micro=[r], n_tokens=sum(x["loss_mask"] * len(x["ids"]) for [x] in r),
+                                n_samples=sum(x["loss_mask"] > 0 for [x] in r)), cfg) for r in plan["micro"]]
     wrong = {k: sum(p[k] for p in parts) / len(parts) for k in whole}  # each micro-batch by itself
     print(f"per-micro-batch normalisation, bf16={bf16}: rel err {_rel_err(wrong, whole):.2e}")
     assert _rel_err(wrong, whole) > 10 * SPLIT_TOL[bf16]
@@ -489,7 +489,7 @@ def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     ids = torch.randint(10, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     attn, pos = torch.ones_like(ids), torch.arange(16).expand(2, 16)
-    b = dapo.collate([[dict(prompt_ids=r[:6].tolist(), ids=r[6:].tolist(), weight=1.0, adv=0.0,
+    b = dapo.collate([[dict(prompt_ids=r[:6].tolist(), ids=r[6:].tolist(), loss_mask=1.0, adv=0.0,
                             engine_logp=[0.0] * 10)] for r in ids], 0, torch.device("cpu"))
     assert torch.equal(b["ids"], ids)
     weight = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
@@ -539,8 +539,8 @@ def _hand_loss(groups, mini_batch_prompts):
     losses = []
     for m in range(0, len(groups), mini_batch_prompts):
         rows = [s for g in groups[m:m + mini_batch_prompts] for s in g["samples"]]
-        losses.append(-sum(r["weight"] * r["adv"] * len(r["ids"]) for r in rows)
-                      / sum(r["weight"] * len(r["ids"]) for r in rows))
+        losses.append(-sum(r["loss_mask"] * r["adv"] * len(r["ids"]) for r in rows)
+                      / sum(r["loss_mask"] * len(r["ids"]) for r in rows))
     return sum(losses) / len(losses)
 
 
@@ -645,11 +645,11 @@ def _worker_push(model_dir, out, tp):
         everyone = [None] * d["world"]
         torch.distributed.all_gather_object(everyone, outs)
         result["same_samples_on_tp_ranks"] = all(o == everyone[0] for o in everyone)
-        rows = [dict(s, prompt_ids=p, weight=1.0, adv=0.0) for p, g in zip(prompts, outs) for s in g]
+        rows = [dict(s, prompt_ids=p, loss_mask=1.0, adv=0.0) for p, g in zip(prompts, outs) for s in g]
         b = dapo.collate([[r] for r in rows], tok.pad_token_id, d["device"])
         with torch.no_grad():
             logp, _ = dapo.token_logp(model, b, 1.0, 7)
-        return (((logp - b["engine_logp"]).abs() * b["rmask"]).sum() / b["rmask"].sum()).item()
+        return (((logp - b["engine_logp"]).abs() * b["resp_mask"]).sum() / b["resp_mask"].sum()).item()
 
     result["gap_start"] = gap()
     # seeded samples of more prompt tokens than one prefill pass takes (4,096): a split prompt rewinds
@@ -1069,7 +1069,7 @@ def test_dynamic_sampling_off_keeps_everything(one_rank):
 def test_prepare_samples_shaped_reward_and_overlong_filter():
     """Advantages use score + Eq. 13 penalty (three samples: with two, (R - mean) / std is +-0.71
     whatever the rewards, so a dropped penalty would not show); overlong filtering zeroes the loss
-    weight of truncated samples only, and only when switched on."""
+    mask of truncated samples only, and only when switched on."""
     group = dict(idx=0, prompt_ids=[1], samples=[
         dict(ids=[1], finish="stop", score=1.0, penalty=0.0, engine_logp=[0.0]),
         dict(ids=[1], finish="length", score=-1.0, penalty=-1.0, engine_logp=[0.0]),
@@ -1078,9 +1078,9 @@ def test_prepare_samples_shaped_reward_and_overlong_filter():
     # shaped rewards 1, -2, -1: mean -2/3, unbiased std sqrt((25 + 16 + 1) / 9 / 2) = 1.5275
     # (the score alone, 1, -1, -1, would give 1.1547, -0.5774, -0.5774)
     assert [s["adv"] for s in g["samples"]] == pytest.approx([1.0911, -0.8729, -0.2182], abs=1e-4)
-    assert [s["weight"] for s in g["samples"]] == [1.0, 0.0, 1.0]
+    assert [s["loss_mask"] for s in g["samples"]] == [1.0, 0.0, 1.0]
     (g,) = dapo.prepare_samples([group], dapo.Config(group_size=3, overlong_filter=False))
-    assert [s["weight"] for s in g["samples"]] == [1.0, 1.0, 1.0]
+    assert [s["loss_mask"] for s in g["samples"]] == [1.0, 1.0, 1.0]
 
 
 def test_data_order_is_deterministic():
@@ -1162,14 +1162,23 @@ def test_unknown_preset_or_flag_lists_choices(capsys):
 
 
 def test_presets_and_explicit_flags():
-    """Preset < flag; each Table 1 row switches exactly its techniques."""
+    """Preset < flag; `grpo` is naive GRPO (no dual clip either), each Table 1 row adds exactly one
+    technique to the row above, and `dapo` is the last row as released (overlong filter off, dual clip on)."""
     cfg = dapo.parse_config(["--preset", "grpo", "--eps_high", "0.3"])
     assert cfg.eps_high == 0.3 and not cfg.dynamic_sampling and not cfg.token_level_loss
     full = dapo.parse_config(["--preset", "dapo"])
     assert (full.eps_high, full.dynamic_sampling, full.token_level_loss, full.overlong_buffer_len) == \
         (0.28, True, True, 4096)
-    assert dapo.parse_config(["--preset", "grpo+token_level"]).token_level_loss
     assert dapo.parse_config(["--preset", "dapo", "--dynamic_sampling", "false"]).dynamic_sampling is False
+    knobs = ("overlong_filter", "eps_high", "overlong_buffer_len", "token_level_loss", "dynamic_sampling",
+             "dual_clip_c")
+    rows = [dapo.parse_config(["--preset", p]) for p in
+            ("grpo", "grpo+overlong_filter", "grpo+clip_higher", "grpo+soft_overlong", "grpo+token_level")]
+    assert (rows[0].eps_high, rows[0].overlong_buffer_len, rows[0].dual_clip_c) == (0.2, 0, 0)
+    for before, after, knob in zip(rows, rows[1:], knobs):
+        assert [k for k in knobs if getattr(before, k) != getattr(after, k)] == [knob]
+    assert [k for k in knobs if getattr(rows[-1], k) != getattr(full, k)] == \
+        ["overlong_filter", "dynamic_sampling", "dual_clip_c"]
 
 
 def test_bad_model_path_is_one_line(tmp_path):

@@ -1,4 +1,4 @@
-"""Table 1 at CPU scale, from the committed runs in data/ablation/ (README, "Ablation").
+"""Table 1 at CPU scale, from the committed runs in data/ablation/ (README, "Ablations").
 
     python data/ablation/plot.py      # prints the README's table; draws ablation.png if matplotlib is installed
 

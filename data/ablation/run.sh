@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Table 1 at CPU scale (README, "Ablation"): the CPU demo's workload with each DAPO
+# Table 1 at CPU scale (README, "Ablations"): the CPU demo's workload with each DAPO
 # technique switched off in turn, and naive GRPO, for 3 seeds. Each run's per-step
 # metrics land in data/ablation/<config>_s<seed>.jsonl; runs already there are skipped,
 # so the script can be stopped and started again. Run from the repository root:

@@ -1,5 +1,5 @@
 """Time one update's forward and backward on the demo model, one row per sample against shared-prompt
-rows, at a given micro-batch budget (README, "Step time against TRL").
+rows, at a given micro-batch budget: what set the cpu preset's share_prompt and micro_batch_tokens.
 
     python data/bench/update_rows.py single 16 4096
     python data/bench/update_rows.py shared 16 1024 [--profile]
@@ -28,7 +28,7 @@ def group(prompt_len=97, size=8):
     for _ in range(size):
         n = random.randint(15, 64)
         samples.append(dict(ids=[random.randrange(100, 40000) for _ in range(n)], prompt_ids=prompt,
-                            weight=1.0, adv=1.0, engine_logp=[0.0] * n))
+                            loss_mask=1.0, adv=1.0, engine_logp=[0.0] * n))
     return dict(prompt_ids=prompt, samples=samples)
 
 
@@ -42,7 +42,7 @@ def update():
     for mb in micro:
         b = dapo.collate(mb, 0, torch.device("cpu"))
         logp, _ = dapo.token_logp(model, b, 1.0, 1024)
-        (logp * b["mask"]).sum().backward()
+        (logp * b["loss_mask"]).sum().backward()
     return time.time() - t
 
 
