@@ -43,7 +43,7 @@ def summary(folder):
             f"| {len(ms)} | {statistics.mean(acc[:5]):.3f} -> {statistics.mean(acc[-5:]):.3f} | {evals(ms)} "
             f"| {statistics.median(m['perf/step_s'] for m in ms):.1f} "
             f"| {max(m.get('perf/peak_rss_gb', 0) for m in ms):.1f} "
-            f"| {sum(m['loss/clip_frac_high'] > 0 for m in ms)} of {len(ms)} |")
+            f"| {sum(m.get('loss/clip_frac_high', 0) > 0 for m in ms)} of {len(ms)} |")
     return "\n".join(rows)
 
 
