@@ -704,7 +704,8 @@ def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_
     over any split gives the unsplit loss: Eq. 12 divides by all tokens, Eq. 5 averages per sample.
     Returns (loss, number of tokens clipped low, number clipped high).
     """
-    ratio = torch.exp(logp - old_logp)  # Eq. 9's r_i,t(theta)
+    # Eq. 9's r_i,t(theta). Deviation from the paper (verl's choice): the log-ratio is clamped to [-20, 20], or
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # one token at e^100 = inf NaNs the whole update
     a = adv[:, None]
     obj = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # Eq. 10, inside Eq. 8
     if dual_clip_c > 0:  # released recipe: bound a negative advantage's loss by c * |A|

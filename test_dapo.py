@@ -266,6 +266,27 @@ def test_policy_loss_hand_values():
     assert loss.item() == pytest.approx((-1.2 + 0.8 - 2 + 10) / 4, rel=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_extreme_log_ratio_is_clamped_before_exp(dtype, adv):
+    """One token at log-ratio 100 (the others ordinary) gives a finite loss and
+    gradient, equal to those with that token at the clamp, 20. The bug: exp(100)
+    is inf in fp32 and bf16, the gradient gets a NaN, and check_finite throws
+    the whole update away for one token."""
+    def loss_and_grad(extreme):
+        logp = torch.tensor([[0.1, extreme, -0.2], [0.3, -0.1, 0.05]], dtype=dtype, requires_grad=True)
+        old = torch.zeros(2, 3, dtype=dtype)
+        loss, *_ = dapo.policy_loss(logp, old, torch.tensor([adv, -0.5], dtype=dtype), torch.ones(2, 3, dtype=dtype),
+                                    **LOSS, n_tokens=6, n_samples=2)
+        loss.backward()
+        return loss.detach(), logp.grad
+    loss, grad = loss_and_grad(100.0)
+    at_clamp_loss, at_clamp_grad = loss_and_grad(20.0)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert torch.equal(loss, at_clamp_loss) and torch.equal(grad, at_clamp_grad)
+    assert grad.abs().sum() > 0  # the ordinary tokens still carry gradient
+
+
 def test_token_level_vs_sample_level_hand_values():
     """Eq. 12 vs Eq. 5: sample A (1 token, A=+1) and sample B (3 tokens, A=-1)
     at ratio 1. Token-level: (-1 + 3) / 4 = 0.5; sample-level: (-1/1 + 3/3) / 2
