@@ -882,6 +882,7 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
     if d["rank"] == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(dict(state, scheduler=sched.state_dict()), f)
+        shutil.rmtree(final, ignore_errors=True)  # a stale folder of this step, e.g. left by a run resumed before it
         os.replace(tmp, final)  # atomic: a kill before this line leaves only a .tmp folder
         for old in list_checkpoints(root)[:-cfg.keep_checkpoints]:
             shutil.rmtree(old)
@@ -1067,6 +1068,10 @@ def ensure_demo_model(path):
 
 def start(cfg):
     """Processes, the run folder with the resolved config, the sharded policy, then the engine."""
+    ran = any(os.path.exists(os.path.join(cfg.out_dir, n)) for n in ("metrics.jsonl", "ckpt"))
+    if ran and not (cfg.resume or cfg.eval_only):  # every rank stops here, before a save would fail hours in
+        raise SystemExit(f"dapo: {cfg.out_dir} already holds a run (metrics.jsonl or ckpt/); "
+                         "continue it with --resume true, or pass another --out_dir")
     d = init_distributed(cfg)
     cpu_setup(d)
     if d["rank"] == 0:

@@ -1007,6 +1007,31 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model, tmp_path, fault):
     assert not any(n.endswith(".tmp") for n in os.listdir(b / "ckpt"))
 
 
+@pytest.mark.parametrize("leftover", ["metrics.jsonl", "ckpt"])
+def test_out_dir_with_a_run_needs_resume(tiny_model, tmp_path, leftover):
+    """A second run into a folder that holds one, without --resume: one line at
+    start naming the folder and the two ways out. The bug: the new run appended
+    to the old metrics and died at its first save (os.replace onto an existing
+    step folder), hours in, on rank 0 while the others waited."""
+    (tmp_path / "ckpt").mkdir() if leftover == "ckpt" else (tmp_path / leftover).write_text("{}\n")
+    p = _run(_tiny_args(tiny_model, tmp_path), check=False)
+    assert p.returncode != 0
+    assert p.stderr.strip() == (f"dapo: {tmp_path} already holds a run (metrics.jsonl or ckpt/); "
+                                "continue it with --resume true, or pass another --out_dir")
+
+
+def test_save_over_a_stale_step_folder(tiny_model, tmp_path):
+    """--resume with no complete checkpoint starts from step 0, and its save of
+    step 1 replaces a stale, incomplete step_000001 folder. The bug: os.replace
+    onto a non-empty folder raised ENOTEMPTY at the first save."""
+    stale = tmp_path / "ckpt" / "step_000001"
+    stale.mkdir(parents=True)
+    (stale / "junk").write_text("from an older run")
+    _run(_tiny_args(tiny_model, tmp_path, "--resume", "true", "--steps", "1", "--save_every", "1"))
+    assert sorted(os.listdir(stale)) == ["dcp", "hf", "rng_rank0.pt", "trainer_state.json"]
+    assert [m["step"] for m in _metrics(tmp_path)] == [1]
+
+
 def test_eval_only_on_a_set_that_repeats_its_problems(tiny_model, tmp_path):
     """--eval_only on an eval file that repeats each of its 32 problems 3 times
     (the hub's AIME copy repeats each 32 times): each problem is sampled eval_k
