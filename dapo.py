@@ -60,6 +60,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -274,39 +275,58 @@ def gather_dp(obj, d):
 
 # --- Data: rows -> (prompt token ids, ground truth) ---
 
-def parse_row(row, i):
+def parse_row(row, where):
     """The DAPO-Math-17k shape or a plain {"prompt": str, "answer": str} -> (chat messages, ground truth).
-    Errors name the row and the field."""
-    prompt = row.get("prompt")
+    Bad data ends the run with one line: `where` (the file and its line or row) and the field."""
+    if not isinstance(row, dict):
+        raise SystemExit(f"dapo: {where}: expected a JSON object with a 'prompt' field, got {type(row).__name__}")
+    prompt, rm = row.get("prompt"), row.get("reward_model")
     if prompt is None:
-        raise ValueError(f"row {i}: missing field 'prompt'")
+        raise SystemExit(f"dapo: {where}: missing field 'prompt'")
     if isinstance(prompt, str):
         messages, answer, name = [{"role": "user", "content": prompt}], row.get("answer"), "answer"
     elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str)
                                                      for m in prompt):
         messages = [{"role": m.get("role") or "user", "content": m["content"]} for m in prompt]
-        answer, name = (row.get("reward_model") or {}).get("ground_truth"), "reward_model.ground_truth"
+        answer, name = rm.get("ground_truth") if isinstance(rm, dict) else None, "reward_model.ground_truth"
     else:
-        raise ValueError(f"row {i}: field 'prompt' must be a string or a list of chat messages "
+        raise SystemExit(f"dapo: {where}: field 'prompt' must be a string or a list of chat messages "
                          f"with string 'content', got {type(prompt).__name__}")
     if answer is None:
-        raise ValueError(f"row {i}: missing field '{name}'")
+        raise SystemExit(f"dapo: {where}: missing field '{name}'")
     if not isinstance(answer, (str, int)) or not str(answer).strip():
-        raise ValueError(f"row {i}: field '{name}' must be a non-empty string, got {answer!r}")
+        raise SystemExit(f"dapo: {where}: field '{name}' must be a non-empty string, got {answer!r}")
     return messages, str(answer)
+
+
+def read_rows(source):
+    """(where, row) for each row of a hub id or a .parquet/.jsonl/.json file; where names the file and the line
+    (1-based, as an editor shows it) or row. A .jsonl file is read here, a line at a time, so a bad line gets
+    one line naming it (through `datasets`: 71 lines of pyarrow traceback)."""
+    kind = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "json"}.get(os.path.splitext(source)[1])
+    if kind and not os.path.exists(source):
+        raise SystemExit(f"dapo: data file {source!r} does not exist")
+    if kind != "jsonl":
+        import datasets
+        rows = datasets.load_dataset(kind or source, data_files=source if kind else None, split="train")
+        yield from ((f"{source} row {i}", row) for i, row in enumerate(rows, 1))
+        return
+    with open(source, encoding="utf-8") as f:
+        for n, line in ((n, s.strip()) for n, s in enumerate(f, 1) if s.strip()):  # blank lines skipped
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"dapo: {source} line {n}: not valid JSON "
+                                 f"({e.msg.removesuffix(' at')} at column {e.colno})") from e
+            yield f"{source} line {n}", row
 
 
 def load_examples(source, tok, max_prompt_len, dedup, rank=0):
     """Rows of a hub id or a .parquet/.jsonl/.json file, tokenised through the chat template; long and
     (if dedup) repeated prompts dropped."""
-    import datasets
-    kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(os.path.splitext(source)[1])
-    if kind and not os.path.exists(source):
-        raise SystemExit(f"dapo: data file {source!r} does not exist")
-    rows = datasets.load_dataset(kind or source, data_files=source if kind else None, split="train")
-    examples, seen, n_long, n_dup = [], set(), 0, 0
-    for i, row in enumerate(rows):
-        messages, answer = parse_row(row, i)
+    examples, seen, n_rows, n_long, n_dup = [], set(), 0, 0, 0
+    for n_rows, (where, row) in enumerate(read_rows(source), 1):
+        messages, answer = parse_row(row, where)
         key = json.dumps(messages)
         if dedup and key in seen:
             n_dup += 1
@@ -319,11 +339,12 @@ def load_examples(source, tok, max_prompt_len, dedup, rank=0):
             continue
         examples.append(dict(idx=len(examples), prompt_ids=ids, answer=answer))
     if rank == 0:
-        print(f"dapo: {source}: {len(rows)} rows, kept {len(examples)}, dropped {n_dup} repeated prompts "
+        print(f"dapo: {source}: {n_rows} rows, kept {len(examples)}, dropped {n_dup} repeated prompts "
               f"and {n_long} prompts over {max_prompt_len} tokens", flush=True)
     if not examples:
-        raise SystemExit(f"dapo: {source}: no rows left after filtering (dedup_prompts={dedup} dropped "
-                         f"{n_dup}, max_prompt_len={max_prompt_len} dropped {n_long} of {len(rows)})")
+        raise SystemExit(f"dapo: {source}: " + ("no rows: the file is empty" if not n_rows else
+                         f"no rows left after filtering (dedup_prompts={dedup} dropped {n_dup}, "
+                         f"max_prompt_len={max_prompt_len} dropped {n_long} of {n_rows})"))
     return examples
 
 
@@ -1067,7 +1088,7 @@ def ensure_demo_model(path):
 # --- Main: set-up, then Algorithm 1 ---
 
 def start(cfg):
-    """Processes, the run folder with the resolved config, the sharded policy, then the engine."""
+    """Processes, the run folder with the resolved config, the sharded policy, the data, then the engine."""
     ran = any(os.path.exists(os.path.join(cfg.out_dir, n)) for n in ("metrics.jsonl", "ckpt"))
     if ran and not (cfg.resume or cfg.eval_only):  # every rank stops here, before a save would fail hours in
         raise SystemExit(f"dapo: {cfg.out_dir} already holds a run (metrics.jsonl or ckpt/); "
@@ -1082,7 +1103,10 @@ def start(cfg):
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     dist.barrier()  # the demo model and the run folder exist before anyone reads them
     tok, model = load_policy(cfg, d)
-    return cfg, d, tok, model, make_engine(cfg, d)
+    load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len, rank=d["rank"])
+    train_set = [] if cfg.eval_only else load(cfg.train_data, dedup=cfg.dedup_prompts)
+    eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_only or cfg.eval_every else []
+    return cfg, d, tok, model, train_set, eval_set, make_engine(cfg, d)  # bad data stops the run before the engine
 
 
 def main(argv=None):
@@ -1090,11 +1114,9 @@ def main(argv=None):
     quiet_libraries(cfg)
     if cfg.estimate_memory:
         return estimate_memory(cfg, cfg.estimate_memory)
-    cfg, d, tok, model, engine = start(cfg)
-    eval_set = load_examples(cfg.eval_data, tok, cfg.max_prompt_len, True, d["rank"]) \
-        if cfg.eval_only or cfg.eval_every else []
+    cfg, d, tok, model, train_set, eval_set, engine = start(cfg)
     if not cfg.eval_only:
-        return train(cfg, d, tok, model, engine, eval_set)
+        return train(cfg, d, tok, model, engine, train_set, eval_set)
     metrics = evaluate(cfg, d, engine, tok, eval_set, 0)
     if d["rank"] == 0:
         print(json.dumps(metrics), flush=True)
@@ -1102,9 +1124,8 @@ def main(argv=None):
     return metrics
 
 
-def train(cfg, d, tok, model, engine, eval_set):
+def train(cfg, d, tok, model, engine, train_set, eval_set):
     """Algorithm 1, its lines labelled, with checkpoints, evaluation and a clean Ctrl-C around it."""
-    train_set = load_examples(cfg.train_data, tok, cfg.max_prompt_len, cfg.dedup_prompts, d["rank"])
     optim = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant: deviation 3
         optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
@@ -1181,4 +1202,11 @@ def train(cfg, d, tok, model, engine, eval_set):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:  # bad input: one line (e.code), from rank 0 as every rank meets the same check:
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":  # the others wait for rank 0 to say
+            time.sleep(30)  # it and torchrun to stop them all; an error of this rank alone shows after the wait
+        if e.__cause__ is not None and "--verbose" in sys.argv:  # what underlies it, on request
+            traceback.print_exception(e.__cause__)
+        raise

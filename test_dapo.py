@@ -1142,18 +1142,21 @@ def test_data_order_is_deterministic():
 # --- bad input: clear errors that name what is wrong ---
 
 @pytest.mark.parametrize("row,message", [
-    ({"answer": "1"}, "row 7: missing field 'prompt'"),
-    ({"prompt": "What?"}, "row 7: missing field 'answer'"),
-    ({"prompt": "What?", "answer": " "}, "row 7: field 'answer' must be a non-empty string"),
-    ({"prompt": 5, "answer": "1"}, "row 7: field 'prompt' must be a string or a list of chat messages"),
-    ({"prompt": [{"role": "user", "content": "q"}]}, "row 7: missing field 'reward_model.ground_truth'"),
+    ({"answer": "1"}, "d.jsonl line 7: missing field 'prompt'"),
+    ({"prompt": "What?"}, "d.jsonl line 7: missing field 'answer'"),
+    ({"prompt": "What?", "answer": " "}, "d.jsonl line 7: field 'answer' must be a non-empty string"),
+    ({"prompt": 5, "answer": "1"}, "d.jsonl line 7: field 'prompt' must be a string or a list of chat messages"),
+    ({"prompt": [{"role": "user", "content": "q"}]}, "d.jsonl line 7: missing field 'reward_model.ground_truth'"),
     ({"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": ""}},
-     "row 7: field 'reward_model.ground_truth' must be a non-empty string"),
+     "d.jsonl line 7: field 'reward_model.ground_truth' must be a non-empty string"),
+    ({"prompt": [{"role": "user", "content": "q"}], "reward_model": "3"},
+     "d.jsonl line 7: missing field 'reward_model.ground_truth'"),
+    ([1, 2], "d.jsonl line 7: expected a JSON object with a 'prompt' field, got list"),
 ])
 def test_bad_rows_name_row_and_field(row, message):
-    """Guards against a KeyError deep inside the loop, hours into a run."""
-    with pytest.raises(ValueError, match=re.escape(message)):
-        dapo.parse_row(row, 7)
+    """Guards against a KeyError or AttributeError deep inside the loop, hours into a run."""
+    with pytest.raises(SystemExit, match="^dapo: " + re.escape(message)):
+        dapo.parse_row(row, "d.jsonl line 7")
 
 
 def test_both_row_shapes_parse():
@@ -1179,6 +1182,53 @@ def test_empty_dataset_after_filtering_names_the_filters(tiny_model, tmp_path):
         dapo.load_examples(str(path), tok, 5, dedup=True)
     with pytest.raises(SystemExit, match="does not exist"):
         dapo.load_examples(str(tmp_path / "missing.jsonl"), tok, 256, dedup=True)
+
+
+BAD_DATA = {  # a bad-input class -> (file contents, the one line that names it)
+    "malformed JSON": ('{"prompt": "1 + 1?", "answer": "2"}\n{"bad json\n',
+                       " line 2: not valid JSON (Unterminated string starting at column 2)"),
+    "wrong field type": ('{"prompt": "1 + 1?", "answer": "2"}\n\n{"prompt": 5, "answer": "1"}\n',
+                         " line 3: field 'prompt' must be a string or a list of chat messages with string "
+                         "'content', got int"),
+    "missing field": ('{"prompt": "1 + 1?", "answer": "2"}\n{"question": "1 + 2?", "answer": "3"}\n',
+                      " line 2: missing field 'prompt'"),
+    "empty file": ("", ": no rows: the file is empty"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_is_one_line_naming_file_and_line(tiny_model, tmp_path, case):
+    """Through dapo.py: a bad training file ends in one line on stderr naming
+    the file and the line as an editor numbers it (1-based, blank lines
+    counted), a non-zero exit and no traceback. The bug: 71 lines of pyarrow
+    traceback through `datasets` for a malformed line, and "row 0" for the
+    file's line 1."""
+    contents, message = BAD_DATA[case]
+    (tmp_path / "train.jsonl").write_text(contents)
+    p = _run(_tiny_args(tiny_model, tmp_path / "out", "--train_data", str(tmp_path / "train.jsonl")), check=False)
+    assert p.returncode != 0
+    assert p.stderr.strip() == f"dapo: {tmp_path / 'train.jsonl'}{message}"
+
+
+def test_bad_input_on_two_ranks_is_one_line_from_rank_0(tiny_model, tmp_path):
+    """Under torchrun every rank meets the same bad line; rank 0 alone prints
+    it (the bug: one traceback per rank). torchrun's own failure summary
+    follows; no line of the ranks' own is a traceback."""
+    (tmp_path / "train.jsonl").write_text(BAD_DATA["malformed JSON"][0])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "dapo.py", *_tiny_args(tiny_model, tmp_path / "out", "--train_data", str(tmp_path / "train.jsonl"))]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    lines = (p.stdout + p.stderr).splitlines()
+    assert p.returncode != 0
+    assert [ln for ln in lines if "not valid JSON" in ln] == [f"dapo: {tmp_path / 'train.jsonl'}"
+                                                              f"{BAD_DATA['malformed JSON'][1]}"]
+    assert not [ln for ln in lines if ln.startswith("[rank")]
+
+
+def test_missing_model_path_through_dapo_is_one_line(tmp_path):
+    """Through dapo.py (not only load_policy): one line, non-zero exit, no traceback."""
+    p = _run(["--preset", "cpu", "--model", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "out")], check=False)
+    assert p.returncode != 0 and p.stderr.strip() == f"dapo: model path {str(tmp_path / 'nope')!r} does not exist"
 
 
 @pytest.mark.parametrize("flags,message", [
