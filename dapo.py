@@ -255,7 +255,8 @@ def init_distributed(cfg):
         raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {cfg.rollout_tp}")
     torch.manual_seed(cfg.seed + rank)
     return dict(rank=rank, world=world, tp=cfg.rollout_tp, dp_rank=rank // cfg.rollout_tp,
-                n_dp=world // cfg.rollout_tp, device=torch.device("cuda" if cuda else "cpu"))
+                n_dp=world // cfg.rollout_tp, device=torch.device("cuda" if cuda else "cpu"),
+                local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # vLLM on CPU overwrites it later
 
 
 def all_reduce(values, d, op=dist.ReduceOp.SUM):
@@ -449,6 +450,9 @@ def make_engine(cfg, d):
                  enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
                  trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kw)
     torch.set_num_threads = set_threads
+    # torchrun set OMP_NUM_THREADS=1 and vLLM's loader set torch's threads to 1: give each rank its share of the
+    # node's cores back, or the CPU side of --offload_optimizer (AdamW step, grad clip) runs on one thread
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // d["local_world"]))
     return engine
 
 

@@ -694,6 +694,39 @@ def _worker_push(model_dir, out, tp):
     torch.distributed.destroy_process_group()
 
 
+def test_cpu_threads_restored_after_engine_start(tiny_model, tmp_path):
+    """2 ranks on a node that reads as 8 cores: after make_engine each rank's
+    torch runs 8 // 2 = 4 threads, and the engine still generates. The bug:
+    torchrun's OMP_NUM_THREADS=1 and vLLM's loader left torch on one thread,
+    so the CPU-offloaded AdamW step and grad clip ran single-threaded."""
+    out = tmp_path / "threads.json"
+    _torchrun(2, __file__, "threads", tiny_model, str(out))
+    r = json.loads(out.read_text())
+    assert r["before"] == [1, 1] and r["after"] == [4, 4] and r["generated"] == [True, True]
+
+
+def _worker_threads(model_dir, out):
+    import vllm
+
+    class LLM(vllm.LLM):  # the engine starts on the real core count; the node then reads as 8 cores
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            os.cpu_count = lambda: 8
+    vllm.LLM = LLM
+    cfg = dapo.Config(model=model_dir, bf16=False, engine_kv_cache_gb=0.25, max_prompt_len=64, max_response_len=16)
+    d = dapo.init_distributed(cfg)
+    before = torch.get_num_threads()
+    engine = dapo.make_engine(cfg, d)
+    mine = dict(before=before, after=torch.get_num_threads(),
+                generated=len(dapo.generate(engine, [[1, 2, 3]], 2, 4, 1.0, 1.0)[0]) == 2)
+    everyone = [None] * d["world"]
+    torch.distributed.all_gather_object(everyone, mine)
+    if d["rank"] == 0:
+        with open(out, "w") as f:
+            json.dump({k: [e[k] for e in everyone] for k in mine}, f)
+    dapo.close(engine)
+
+
 def _rss_mb(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
@@ -1402,4 +1435,5 @@ def _read_jsonl(path):
 
 if __name__ == "__main__":  # workers for the multi-process tests above
     {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload,
-     "estimate": _worker_estimate, "scripted_main": _worker_scripted_main}[sys.argv[1]](*sys.argv[2:])
+     "estimate": _worker_estimate, "scripted_main": _worker_scripted_main,
+     "threads": _worker_threads}[sys.argv[1]](*sys.argv[2:])
