@@ -825,12 +825,14 @@ def check_finite(bad_updates, grad_norms, step):
 
 # --- Push the new weights into the engine, in place (line 3, see train) ---
 
-def full_params(model, dtype, device):
-    """(name, full tensor) for each weight, gathered one at a time. Every rank must iterate it to the end:
-    full_tensor() is a collective, and all ranks walk the same names in the same order."""
+def full_params(model, dtype, device, to=None):
+    """(name, full tensor) for each weight, gathered one at a time on `device` in `dtype`, then moved `to`. Each
+    shard is cast and moved first: under offload the gather moves bf16 on the GPU, not fp32 over gloo. Every
+    rank must iterate it to the end: full_tensor() is a collective, and all ranks walk the same names in order."""
     from torch.distributed.tensor import DTensor
     for name, p in model.state_dict().items():
-        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(device=device, dtype=dtype)
+        p = p.detach().to(device=device, dtype=dtype)
+        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).to(to or device)
 
 
 def push_weights(model, engine, cfg, d):
@@ -891,7 +893,7 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
         os.makedirs(tmp)
     dist.barrier()
     if hf:
-        full = {k: v for k, v in full_params(model, torch.bfloat16, "cpu") if d["rank"] == 0}
+        full = {k: v for k, v in full_params(model, torch.bfloat16, d["device"], "cpu") if d["rank"] == 0}
         if d["rank"] == 0:
             model.config.dtype = torch.bfloat16  # the folder's dtype, for transformers and vLLM
             model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full)

@@ -798,11 +798,15 @@ def test_optimizer_offload_matches_no_offload(tiny_model, tmp_path):
     """--offload_optimizer on 2 ranks: FSDP2's CPUOffloadPolicy, fused AdamW,
     the grad-norm clip and the weight push's gather all run, and two steps of
     two updates each end at the weights that the same steps reach without
-    offload."""
+    offload. Also: every gather of the bf16 push and HF export gets bf16
+    shards on the compute device and gives the cast full weights (the bug:
+    fp32 CPU shards gathered over gloo, 4 bytes a parameter per push)."""
     out = tmp_path / "offload.json"
     _torchrun(2, __file__, "offload", tiny_model, str(out))
     r = json.loads(out.read_text())
     assert r["moved"] > 1e-3 and r["rel_diff"] < 1e-6 and r["updates"] == 4
+    assert r["gathered"] == [["torch.bfloat16", "cpu"]] and r["gathers"] == 2 * r["n_params"]
+    assert r["bf16_equal"] and r["export_device"] == ["cpu"]
 
 
 def _worker_offload(model_dir, out):
@@ -818,11 +822,22 @@ def _worker_offload(model_dir, out):
         for _ in range(2):
             groups = _grad_rows()
             updates += dapo.train_step(model, optim, dapo.plan_updates(groups, c, d), c, d, tok)["loss/updates"]
-        final[offload] = dict(dapo.full_params(model, torch.float32, d["device"]))  # the push's stream
+        final[offload] = dict(dapo.full_params(model, torch.float32, d["device"]))
+    from torch.distributed.tensor import DTensor
+    gathered, full_tensor = [], DTensor.full_tensor
+    DTensor.full_tensor = lambda self, **kw: (gathered.append((str(self.dtype), self.device.type))
+                                              or full_tensor(self, **kw))  # what reaches the collective
+    pushed = dict(dapo.full_params(model, torch.bfloat16, d["device"]))  # the bf16 push's stream, offloaded
+    export = dict(dapo.full_params(model, torch.bfloat16, d["device"], "cpu"))  # the HF export's
+    DTensor.full_tensor = full_tensor
     if d["rank"] == 0:
         a, b = final[False], final[True]
         with open(out, "w") as f:
-            json.dump(dict(rel_diff=_rel_err(b, a), moved=_rel_err(a, start), updates=updates // 2), f)
+            json.dump(dict(rel_diff=_rel_err(b, a), moved=_rel_err(a, start), updates=updates // 2,
+                           gathered=sorted(set(gathered)), gathers=len(gathered), n_params=len(pushed),
+                           bf16_equal=all(torch.equal(pushed[k], b[k].bfloat16()) and torch.equal(export[k], pushed[k])
+                                          for k in b),
+                           export_device=sorted({v.device.type for v in export.values()})), f)
     torch.distributed.destroy_process_group()
 
 
