@@ -908,7 +908,7 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
     dist.barrier()
     if d["rank"] == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(dict(state, scheduler=sched.state_dict()), f)
+            json.dump(dict(state, scheduler=sched.state_dict(), world=d["world"]), f)
         shutil.rmtree(final, ignore_errors=True)  # a stale folder of this step, e.g. left by a run resumed before it
         os.replace(tmp, final)  # atomic: a kill before this line leaves only a .tmp folder
         for old in list_checkpoints(root)[:-cfg.keep_checkpoints]:
@@ -922,7 +922,9 @@ def list_checkpoints(root):
             and os.path.exists(os.path.join(root, n, "trainer_state.json"))]
 
 
-def load_checkpoint(path, d, model, optim, sched):
+def load_checkpoint(path, d, model, optim, sched, seed):
+    """DCP reshards the weights and AdamW state to this world size. The RNG state continues where it was
+    saved on the same world size; on another, each DP rank's is re-derived from (seed, step, dp_rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     msd, osd = get_state_dict(model, optim)
@@ -931,7 +933,12 @@ def load_checkpoint(path, d, model, optim, sched):
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
     sched.load_state_dict(state.pop("scheduler"))
-    rng = torch.load(os.path.join(path, f"rng_rank{d['rank']}.pt"), weights_only=False)
+    rng_file = os.path.join(path, f"rng_rank{d['rank']}.pt")
+    if state.pop("world", d["world"]) != d["world"] or not os.path.exists(rng_file):
+        random.seed(hash((seed, state["step"], d["dp_rank"])))  # a tuple of ints: the same hash in every process
+        torch.manual_seed(hash((seed, state["step"], d["dp_rank"])) % 2**63)
+        return state
+    rng = torch.load(rng_file, weights_only=False)
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None:
@@ -1137,7 +1144,7 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
         optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     state, ckpts = dict(step=0, data_pos=0), list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
     if cfg.resume and ckpts:
-        state = load_checkpoint(ckpts[-1], d, model, optim, sched)
+        state = load_checkpoint(ckpts[-1], d, model, optim, sched, cfg.seed)
         push_weights(model, engine, cfg, d)
         if d["rank"] == 0:
             print(f"dapo: resumed from {ckpts[-1]} at step {state['step']}", flush=True)

@@ -841,6 +841,56 @@ def _worker_offload(model_dir, out):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.parametrize("worlds", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size(tiny_model, tmp_path, worlds):
+    """A checkpoint saved on 2 ranks loads on 1, and one saved on 1 loads on
+    2: every weight and every AdamW moment and step count equal the saved
+    ones exactly (DCP reshards them), the step, data position and scheduler
+    carry over, and each DP rank gets its own RNG stream. The bug: per-rank
+    RNG files (rng_rank1.pt missing) stopped a resume on another world size."""
+    saver, loader = worlds
+    _torchrun(saver, __file__, "reshard", tiny_model, str(tmp_path), "save")
+    _torchrun(loader, __file__, "reshard", tiny_model, str(tmp_path), "load")
+    r = json.loads((tmp_path / "reshard.json").read_text())
+    assert r["n_tensors"] > 20 and r["equal"] and r["state"] == dict(step=1, data_pos=8) and r["lr"] == 5e-4
+    assert len(set(map(tuple, r["draws"]))) == loader  # one stream per DP rank
+
+
+def _worker_reshard(model_dir, folder, phase):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
+                      activation_checkpointing=False, out_dir=folder)
+    d = dapo.init_distributed(cfg)
+    tok, model = dapo.load_policy(cfg, d)
+    optim = dapo.make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5)
+    if phase == "save":  # one step of two updates: AdamW state exists
+        dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
+        sched.step()
+        dapo.save_checkpoint(cfg, d, model, optim, sched, tok, dict(step=1, data_pos=8), hf=False)
+    else:
+        state = dapo.load_checkpoint(os.path.join(folder, "ckpt", "step_000001"), d, model, optim, sched, cfg.seed)
+    full = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat = {}
+
+    def walk(prefix, x):  # every tensor and number of the full model and optimizer state, by path
+        for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+            walk(f"{prefix}/{k}", v) if isinstance(v, (dict, list)) else flat.__setitem__(f"{prefix}/{k}", v)
+    walk("", full)
+    draws = [None] * d["world"]
+    torch.distributed.all_gather_object(draws, (random.random(), torch.rand(1).item()))
+    if d["rank"] == 0 and phase == "save":
+        torch.save(flat, os.path.join(folder, "saved.pt"))
+    elif d["rank"] == 0:
+        saved = torch.load(os.path.join(folder, "saved.pt"), weights_only=False)
+        equal = sorted(saved) == sorted(flat) and all(
+            torch.equal(saved[k], flat[k]) if torch.is_tensor(saved[k]) else saved[k] == flat[k] for k in saved)
+        with open(os.path.join(folder, "reshard.json"), "w") as f:
+            json.dump(dict(equal=equal, n_tensors=sum(torch.is_tensor(v) for v in flat.values()), state=state,
+                           lr=sched.get_last_lr()[0], draws=draws), f)
+    torch.distributed.destroy_process_group()
+
+
 QWEN_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -1451,4 +1501,4 @@ def _read_jsonl(path):
 if __name__ == "__main__":  # workers for the multi-process tests above
     {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload,
      "estimate": _worker_estimate, "scripted_main": _worker_scripted_main,
-     "threads": _worker_threads}[sys.argv[1]](*sys.argv[2:])
+     "threads": _worker_threads, "reshard": _worker_reshard}[sys.argv[1]](*sys.argv[2:])
