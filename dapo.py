@@ -35,12 +35,11 @@ Where this file differs from the released recipe, and why:
 
 Run:
     python dapo.py                                  # no GPU: the CPU demo preset
-    python dapo.py --preset dapo --model Qwen/Qwen2.5-7B          # one GPU
-    torchrun --nproc_per_node 8 dapo.py --preset dapo --model Qwen/Qwen2.5-32B \\
-        --rollout_tp 4 --offload_optimizer true                   # one node
-    python dapo.py --preset dapo --model Qwen/Qwen2.5-32B --estimate_memory 8
+    python dapo.py --preset dapo --model Qwen/Qwen2.5-7B --rollout_tp 1          # one GPU (80 GB)
+    torchrun --nproc_per_node 8 dapo.py --preset dapo --model Qwen/Qwen2.5-32B   # one node (8 x 80 GB)
+    python dapo.py --preset dapo --model Qwen/Qwen2.5-32B --estimate_memory 8     # its memory plan
     torchrun --nnodes N --node_rank R --master_addr HOST --master_port 29500 \\
-        --nproc_per_node 8 dapo.py --preset dapo --rollout_tp 4   # N nodes
+        --nproc_per_node 8 dapo.py --preset dapo                                  # N nodes
     python dapo.py --eval_only --model runs/dapo/ckpt/step_000100/hf
 """
 import argparse
@@ -60,7 +59,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -122,11 +120,12 @@ class Config:
     bf16_dither: bool = opt(False, "offset each fp32 master weight of a bf16 checkpoint within its bf16 rounding "
                                    "cell, so bf16 compute sees small updates from the first one (README)")
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward to save memory")
-    offload_optimizer: bool = opt(False, "FSDP2 CPU offload of parameters, gradients and AdamW state")
+    offload_optimizer: bool = opt(True, "FSDP2 CPU offload of fp32 parameters, gradients and AdamW state (16 "
+                                        "bytes a parameter in host memory): 32B on 8 x 80 GB needs it")
     collective_timeout_min: float = opt(180.0, "collective timeout: longer than any rank waits for another "
                                                "(uneven 20k-token rollouts, rank 0 writing the HF export)")
     # rollout engine (vLLM)
-    rollout_tp: int = opt(1, "tensor-parallel size of each vLLM engine")
+    rollout_tp: int = opt(4, "tensor-parallel size of each vLLM engine (4 fits 32B on 80 GB GPUs); 1 on one GPU")
     engine_mem: float = opt(0.5, "vLLM gpu_memory_utilization, GPU only")
     engine_kv_cache_gb: float = opt(0.0, "vLLM KV-cache size in GiB (required on CPU); 0 = use engine_mem")
     engine_sleep: bool = opt(True, "free the engine's GPU memory during training (GPU only)")
@@ -160,12 +159,12 @@ PRESETS = {  # Table 1's rows, each adding one technique to the row above, and t
     "dapo": {},  # Table 1's last row (+ dynamic sampling) as released: overlong filter off, dual clip on
     "cpu": dict(  # SmolLM2-135M on the addition demo; about 5 minutes on 2 cores (README, Results)
         model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
-        eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number",
+        eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number", rollout_tp=1,
         steps=12, prompts_per_step=8, group_size=4, gen_prompts_per_round=16, max_gen_rounds=2,
         max_prompt_len=256, max_response_len=32, overlong_buffer_len=12, lr=1e-5, warmup_steps=0,
         mini_batch_prompts=2, micro_batch_tokens=1024, share_prompt=True, activation_checkpointing=False,
         bf16=torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported(),  # else fp32: faster
-        bf16_dither=True,
+        bf16_dither=True, offload_optimizer=False,
         engine_kv_cache_gb=0.5, eval_every=6, eval_k=2, save_every=12, keep_checkpoints=2),
 }
 
@@ -252,7 +251,8 @@ def init_distributed(cfg):
                             timeout=datetime.timedelta(minutes=cfg.collective_timeout_min))
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % cfg.rollout_tp:
-        raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {cfg.rollout_tp}")
+        raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {cfg.rollout_tp} "
+                         "(one GPU: --rollout_tp 1)")
     torch.manual_seed(cfg.seed + rank)
     return dict(rank=rank, world=world, tp=cfg.rollout_tp, dp_rank=rank // cfg.rollout_tp,
                 n_dp=world // cfg.rollout_tp, device=torch.device("cuda" if cuda else "cpu"),
@@ -315,11 +315,10 @@ def read_rows(source):
     with open(source, encoding="utf-8") as f:
         for n, line in ((n, s.strip()) for n, s in enumerate(f, 1) if s.strip()):  # blank lines skipped
             try:
-                row = json.loads(line)
+                yield f"{source} line {n}", json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"dapo: {source} line {n}: not valid JSON "
                                  f"({e.msg.removesuffix(' at')} at column {e.colno})") from e
-            yield f"{source} line {n}", row
 
 
 def load_examples(source, tok, max_prompt_len, dedup, rank=0):
@@ -450,8 +449,7 @@ def make_engine(cfg, d):
                  enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
                  trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kw)
     torch.set_num_threads = set_threads
-    # torchrun set OMP_NUM_THREADS=1 and vLLM's loader set torch's threads to 1: give each rank its share of the
-    # node's cores back, or the CPU side of --offload_optimizer (AdamW step, grad clip) runs on one thread
+    # torchrun and vLLM's loader left torch on 1 thread: the CPU side of offload (AdamW, clip) needs the cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // d["local_world"]))
     return engine
 
@@ -826,9 +824,8 @@ def check_finite(bad_updates, grad_norms, step):
 # --- Push the new weights into the engine, in place (line 3, see train) ---
 
 def full_params(model, dtype, device, to=None):
-    """(name, full tensor) for each weight, gathered one at a time on `device` in `dtype`, then moved `to`. Each
-    shard is cast and moved first: under offload the gather moves bf16 on the GPU, not fp32 over gloo. Every
-    rank must iterate it to the end: full_tensor() is a collective, and all ranks walk the same names in order."""
+    """(name, full tensor) for each weight, gathered one at a time on `device` in `dtype` (under offload: bf16 on
+    the GPU, not fp32 over gloo), then moved `to`. Every rank iterates it to the end: full_tensor() is a collective."""
     from torch.distributed.tensor import DTensor
     for name, p in model.state_dict().items():
         p = p.detach().to(device=device, dtype=dtype)
@@ -935,8 +932,8 @@ def load_checkpoint(path, d, model, optim, sched, seed):
     sched.load_state_dict(state.pop("scheduler"))
     rng_file = os.path.join(path, f"rng_rank{d['rank']}.pt")
     if state.pop("world", d["world"]) != d["world"] or not os.path.exists(rng_file):
-        random.seed(hash((seed, state["step"], d["dp_rank"])))  # a tuple of ints: the same hash in every process
-        torch.manual_seed(hash((seed, state["step"], d["dp_rank"])) % 2**63)
+        torch.manual_seed(h := hash((seed, state["step"], d["dp_rank"])) % 2**63)  # ints: one hash in every process
+        random.seed(h)
         return state
     rng = torch.load(rng_file, weights_only=False)
     random.setstate(rng["python"])
@@ -1013,16 +1010,18 @@ def estimate_memory(cfg, n_gpus):
     # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / rollout_tp, KV cache, scratch)
     w_eng = 2 * n_params / cfg.rollout_tp
     eng = w_eng + cfg.engine_kv_cache_gb * GiB if cfg.engine_kv_cache_gb > 0 else cfg.engine_mem * cfg.gpu_gib * GiB
-    phases, cpu = {}, ("Sharded Param", "Sharded Grad", "OptState") if cfg.offload_optimizer else ()
+    phases, host, cpu = {}, 0, ("Sharded Param", "Sharded Grad", "OptState") if cfg.offload_optimizer else ()
     for k, p in peaks.items():  # the GPU's share; CPUOffloadPolicy keeps the `cpu` categories on the host
         p = {getattr(c, "value", c): v for c, v in p.items() if v and c != "Total"}
         p["Engine"] = eng if k == "rollout" or not cfg.engine_sleep else 0  # asleep: KV freed, weights on CPU
         p["Total"] = sum(v for c, v in p.items() if c not in cpu)
         phases[k] = {c: round(v / GiB, 4) for c, v in p.items() if c not in cpu}
+        host = max(host, sum(v for c, v in p.items() if c in cpu))  # a rank's; + vLLM's weights pinned asleep
     peak = max(phases, key=lambda k: phases[k]["Total"])
     out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=cfg.gpu_gib, tokens=T, params=n_params, peak_phase=peak,
                peak_gib=phases[peak]["Total"], fits=phases[peak]["Total"] <= cfg.gpu_gib and eng > w_eng,
                engine_kv_gib=round((eng - w_eng) / GiB, 2), seconds=round(time.time() - t0, 1), phases=phases,
+               host_gib_per_node=round(min(n_gpus, 8) * (host + w_eng * cfg.engine_sleep) / GiB, 1),
                not_counted="CUDA context, NCCL buffers, kernel workspaces, allocator fragmentation: keep 5-10%")
     for k, p in phases.items():
         print(f"dapo: {k:>15}: " + ", ".join(f"{c} {v:.2f}" for c, v in p.items()) + " GiB")
@@ -1220,6 +1219,4 @@ if __name__ == "__main__":
     except SystemExit as e:  # bad input: one line (e.code), from rank 0 as every rank meets the same check:
         if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":  # the others wait for rank 0 to say
             time.sleep(30)  # it and torchrun to stop them all; an error of this rank alone shows after the wait
-        if e.__cause__ is not None and "--verbose" in sys.argv:  # what underlies it, on request
-            traceback.print_exception(e.__cause__)
         raise

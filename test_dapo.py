@@ -531,6 +531,9 @@ def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
     assert _rel_err(grads_of(logp), ref) < 1e-5  # fp32 summation order; a wrong boundary is O(1)
 
 
+FEW_RANKS = dict(rollout_tp=1, offload_optimizer=False)  # the defaults fit 8 GPUs (TP 4, offload); 1-2 CPU ranks
+
+
 def _env():
     """Subprocess environment: no torchrun variables leaking in, quiet vLLM."""
     env = {k: v for k, v in os.environ.items()
@@ -585,7 +588,7 @@ def test_two_ranks_match_one_rank(tiny_model, tmp_path, token_level):
 
 def _worker_grads(model_dir, out, token_level):
     cfg = dapo.Config(model=model_dir, bf16=False, token_level_loss=bool(int(token_level)), micro_batch_tokens=60,
-                      logp_chunk_tokens=3, activation_checkpointing=False, mini_batch_prompts=2)
+                      logp_chunk_tokens=3, activation_checkpointing=False, mini_batch_prompts=2, **FEW_RANKS)
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
@@ -654,7 +657,7 @@ def test_tensor_parallel_engine_on_two_ranks(tiny_model, tmp_path):
 
 def _worker_push(model_dir, out, tp):
     cfg = dapo.Config(model=model_dir, bf16=False, engine_kv_cache_gb=0.25, max_prompt_len=64,
-                      max_response_len=16, rollout_tp=int(tp))
+                      max_response_len=16, rollout_tp=int(tp), offload_optimizer=False)
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
     engine = dapo.make_engine(cfg, d)
@@ -713,7 +716,8 @@ def _worker_threads(model_dir, out):
             super().__init__(*args, **kwargs)
             os.cpu_count = lambda: 8
     vllm.LLM = LLM
-    cfg = dapo.Config(model=model_dir, bf16=False, engine_kv_cache_gb=0.25, max_prompt_len=64, max_response_len=16)
+    cfg = dapo.Config(model=model_dir, bf16=False, engine_kv_cache_gb=0.25, max_prompt_len=64, max_response_len=16,
+                      **FEW_RANKS)
     d = dapo.init_distributed(cfg)
     before = torch.get_num_threads()
     engine = dapo.make_engine(cfg, d)
@@ -766,7 +770,7 @@ def test_sharded_load_from_rank0_matches_checkpoint(tiny_model, wide_model, tmp_
 
 def _worker_load(tiny_dir, model_dir, out):
     from safetensors.torch import load_file
-    cfg = dapo.Config(model=model_dir, bf16=False, activation_checkpointing=False)
+    cfg = dapo.Config(model=model_dir, bf16=False, activation_checkpointing=False, **FEW_RANKS)
     d = dapo.init_distributed(cfg)
     dapo.load_policy(dataclasses.replace(cfg, model=tiny_dir), d)  # imports and lazy modules, not measured
     with open("/proc/self/clear_refs", "w") as f:
@@ -811,7 +815,7 @@ def test_optimizer_offload_matches_no_offload(tiny_model, tmp_path):
 
 def _worker_offload(model_dir, out):
     cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
-                      activation_checkpointing=False)
+                      activation_checkpointing=False, **FEW_RANKS)
     d = dapo.init_distributed(cfg)
     final, updates = {}, 0
     for offload in (False, True):
@@ -859,7 +863,7 @@ def test_resume_on_another_world_size(tiny_model, tmp_path, worlds):
 def _worker_reshard(model_dir, folder, phase):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
-                      activation_checkpointing=False, out_dir=folder)
+                      activation_checkpointing=False, out_dir=folder, **FEW_RANKS)
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
     optim = dapo.make_optimizer(model, cfg)
@@ -903,7 +907,8 @@ def test_estimate_memory_from_a_config_alone(tmp_path):
     fp32 state that FSDP2 over 8 GPUs implies."""
     (tmp_path / "config.json").write_text(json.dumps(dict(QWEN_7B, num_hidden_layers=2)))
     p = _run(["--preset", "dapo", "--model", str(tmp_path), "--estimate_memory", "8", "--max_prompt_len", "512",
-              "--max_response_len", "1536", "--overlong_buffer_len", "512", "--micro_batch_tokens", "2048"])
+              "--max_response_len", "1536", "--overlong_buffer_len", "512", "--micro_batch_tokens", "2048",
+              "--offload_optimizer", "false"])
     out = json.loads(p.stdout.strip().splitlines()[-1])
     params = 2 * (3584 * 152064) + 2 * (4 * 3584 * 3584 // 7 * 4 + 3 * 3584 * 18944)  # approximately
     assert abs(out["params"] - params) / params < 0.05 and out["n_gpus"] == 8 and out["tokens"] == 2048
@@ -912,6 +917,44 @@ def test_estimate_memory_from_a_config_alone(tmp_path):
     assert train["OptState"] == pytest.approx(2 * train["Sharded Param"], rel=0.02)  # AdamW m and v
     assert out["phases"]["rollout"]["Engine"] == pytest.approx(0.5 * 80, rel=1e-3)  # engine_mem 0.5 x 80 GiB
     assert out["peak_gib"] == max(p["Total"] for p in out["phases"].values())
+
+
+def _documented(comment, model, n_gpus):
+    """The flags of the module docstring's command marked `# comment`, the model swapped for a local config."""
+    (line,) = [ln for ln in dapo.__doc__.splitlines() if ln.rstrip().endswith("# " + comment)]
+    flags = line.split("#")[0].split("dapo.py")[1].split()
+    flags[flags.index("--model") + 1] = os.path.join(ROOT, "data", model)
+    return [*flags, "--estimate_memory", str(n_gpus)]
+
+
+def _host_gib(params, n_gpus, tp):
+    """Host memory of one 8-GPU node by hand: 16 bytes a parameter of offloaded fp32 state (params, grads,
+    AdamW's two moments) sharded over n_gpus, and each asleep engine's bf16 weights (2 bytes / tp)."""
+    return min(n_gpus, 8) * (16 * params / n_gpus + 2 * params / tp) / 2**30
+
+
+def test_documented_one_gpu_command_fits():
+    """The docstring's one-GPU command (Qwen2.5-7B's config.json) fits 80 GB
+    in the simulation, and its host memory is the hand count (127.7 GiB). The
+    bug: the command had no offload, and fp32 params, grads and AdamW state
+    alone (16 bytes x 7.6B = 113 GiB) are over 80 GB."""
+    p = _run(_documented("one GPU (80 GB)", "qwen2.5-7b", 1))
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["fits"] and out["peak_gib"] <= 80 and out["params"] == 7615616512
+    assert out["host_gib_per_node"] == pytest.approx(_host_gib(out["params"], 1, 1), abs=0.1)
+
+
+@pytest.mark.skipif(not os.environ.get("DAPO_SLOW_TESTS"), reason="the 32B simulation takes about 100 s on a "
+                    "2-core CPU; set DAPO_SLOW_TESTS=1")
+def test_documented_one_node_command_fits():
+    """The docstring's one-node command (the bare defaults, Qwen2.5-32B's
+    config.json) fits 8 x 80 GB in the simulation, and its node's host memory
+    is the hand count (610 GiB). The bug: the defaults (TP 1, no offload) put
+    the whole bf16 32B in each engine and did not fit."""
+    p = _run(_documented("one node (8 x 80 GB)", "qwen2.5-32b", 8), timeout=600)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["fits"] and out["peak_gib"] <= 80 and out["engine_kv_gib"] > 20
+    assert out["host_gib_per_node"] == pytest.approx(_host_gib(out["params"], 8, 4), abs=0.1)
 
 
 def test_estimate_memory_matches_the_real_micro_step(tiny_model, tmp_path):
@@ -930,7 +973,7 @@ def test_estimate_memory_matches_the_real_micro_step(tiny_model, tmp_path):
 def _worker_estimate(model_dir, out):
     import torch.distributed as dist
     cfg = dapo.Config(model=model_dir, max_prompt_len=64, max_response_len=192, overlong_buffer_len=32,
-                      micro_batch_tokens=256, logp_chunk_tokens=64, bf16=False)
+                      micro_batch_tokens=256, logp_chunk_tokens=64, bf16=False, **FEW_RANKS)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     fake = dapo.estimate_memory(cfg, world) if rank == 0 else None  # no process group yet: simulated
     dist.init_process_group("gloo")
