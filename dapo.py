@@ -196,10 +196,9 @@ def parse_config(argv=None):
 
 
 def _parse_bool(s):
-    words = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-    if s.lower() not in words:
+    if s.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
-    return words[s.lower()]
+    return s.lower() in ("1", "true", "yes", "on")
 
 
 def validate(c):
@@ -444,7 +443,7 @@ def make_engine(cfg, d):
                   max_num_batched_tokens=max(4096, cfg.max_prompt_len + cfg.max_response_len))
     set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide with a no-op
     engine = LLM(model=cfg.model, tensor_parallel_size=cfg.rollout_tp, distributed_executor_backend="external_launcher",
-                 seed=cfg.seed + d["dp_rank"],  # eval: one seed per TP group (rollouts: one per prompt)
+                 seed=cfg.seed + d["dp_rank"],  # one per TP group; rollouts and evals seed each prompt
                  dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.max_prompt_len + cfg.max_response_len,
                  enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
                  trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kw)
@@ -857,10 +856,11 @@ def wake(engine, cfg, d, tags):
 # --- Evaluation (§4.1): avg@k on AIME 2024, sharded over DP groups ---
 
 def evaluate(cfg, d, engine, tok, examples, step):
-    """avg@k and pass@k over the (deduplicated) eval problems; every sample's verdict to a file."""
+    """avg@k and pass@k over the (deduplicated) eval problems, seeded by problem, so a TP group's ranks and every
+    eval draw alike (the engine's generator moves with all it sampled); every sample's verdict to a file."""
     mine = examples[d["dp_rank"]::d["n_dp"]]
-    outs = generate(engine, [e["prompt_ids"] for e in mine], cfg.eval_k, cfg.max_response_len,
-                    cfg.eval_temperature, cfg.eval_top_p)
+    outs = generate(engine, [e["prompt_ids"] for e in mine], cfg.eval_k, cfg.max_response_len, cfg.eval_temperature,
+                    cfg.eval_top_p, [(cfg.seed << 40) + (1 << 39) + e["idx"] * cfg.eval_k for e in mine])
     local = []
     for ex, group in zip(mine, outs):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)

@@ -634,10 +634,14 @@ def test_loss_metric_is_the_mean_per_update(tiny_model):
 def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
     """After push_weights the engine's log-probs of its own samples equal the
     trainer's; before the push (trainer weights changed) they do not. Guards
-    against an engine that silently keeps sampling from stale weights."""
+    against an engine that silently keeps sampling from stale weights. Also:
+    two evaluations with other sampling between them draw the same samples
+    (the bug: unseeded evals drew from the engine's generator, moved by all
+    it sampled, and a TP group's ranks relied on its state being equal)."""
     out = tmp_path / "push.json"
     _torchrun(1, __file__, "push", tiny_model, str(out), "1")
     r = json.loads(out.read_text())
+    assert r["eval_repeats"]  # evaluation is seeded by problem, whatever the engine sampled before
     assert r["gap_start"] < 1e-3  # same weights at start
     assert r["seeded_repeat"]  # seeded rollouts repeat exactly, across several prefill passes
     assert r["gap_stale"] > 0.1  # trainer moved, engine not yet pushed
@@ -676,6 +680,14 @@ def _worker_push(model_dir, out, tp):
         return (((logp - b["engine_logp"]).abs() * b["resp_mask"]).sum() / b["resp_mask"].sum()).item()
 
     result["gap_start"] = gap()
+    examples = [dict(idx=i, prompt_ids=p, answer="1") for i, p in enumerate(prompts)]
+    ecfg = dataclasses.replace(cfg, eval_k=3, out_dir=os.path.dirname(out))
+    dapo.evaluate(ecfg, d, engine, tok, examples, 0)
+    gap()  # unseeded sampling in between moves the engine's own generator
+    dapo.evaluate(ecfg, d, engine, tok, examples, 1)
+    evals = [open(os.path.join(ecfg.out_dir, f"eval_step{s:06d}.jsonl")).read() for s in (0, 1)] \
+        if d["rank"] == 0 else [None, None]
+    result["eval_repeats"] = evals[0] == evals[1]
     # seeded samples of more prompt tokens than one prefill pass takes (4,096): a split prompt rewinds
     # its seeded generator, which only CUDA generators can (vLLM on CPU raised)
     long_prompts = [[10 + (i * 7 + t) % 500 for t in range(50)] for i in range(40)]
