@@ -120,8 +120,7 @@ class Config:
     bf16_dither: bool = opt(False, "offset each fp32 master weight of a bf16 checkpoint within its bf16 rounding "
                                    "cell, so bf16 compute sees small updates from the first one (README)")
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward to save memory")
-    offload_optimizer: bool = opt(True, "FSDP2 CPU offload of fp32 parameters, gradients and AdamW state (16 "
-                                        "bytes a parameter in host memory): 32B on 8 x 80 GB needs it")
+    offload_optimizer: bool = opt(True, "FSDP2 CPU offload of params, grads, AdamW state (32B on 80 GB GPUs)")
     collective_timeout_min: float = opt(180.0, "collective timeout: longer than any rank waits for another "
                                                "(uneven 20k-token rollouts, rank 0 writing the HF export)")
     # rollout engine (vLLM)
@@ -250,12 +249,10 @@ def init_distributed(cfg):
                             timeout=datetime.timedelta(minutes=cfg.collective_timeout_min))
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % cfg.rollout_tp:
-        raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {cfg.rollout_tp} "
-                         "(one GPU: --rollout_tp 1)")
+        raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {cfg.rollout_tp}")
     torch.manual_seed(cfg.seed + rank)
     return dict(rank=rank, world=world, tp=cfg.rollout_tp, dp_rank=rank // cfg.rollout_tp,
-                n_dp=world // cfg.rollout_tp, device=torch.device("cuda" if cuda else "cpu"),
-                local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # vLLM on CPU overwrites it later
+                n_dp=world // cfg.rollout_tp, device=torch.device("cuda" if cuda else "cpu"))
 
 
 def all_reduce(values, d, op=dist.ReduceOp.SUM):
@@ -278,9 +275,7 @@ def gather_dp(obj, d):
 def parse_row(row, where):
     """The DAPO-Math-17k shape or a plain {"prompt": str, "answer": str} -> (chat messages, ground truth).
     Bad data ends the run with one line: `where` (the file and its line or row) and the field."""
-    if not isinstance(row, dict):
-        raise SystemExit(f"dapo: {where}: expected a JSON object with a 'prompt' field, got {type(row).__name__}")
-    prompt, rm = row.get("prompt"), row.get("reward_model")
+    prompt, rm = (row.get("prompt"), row.get("reward_model")) if isinstance(row, dict) else (None, None)
     if prompt is None:
         raise SystemExit(f"dapo: {where}: missing field 'prompt'")
     if isinstance(prompt, str):
@@ -299,33 +294,25 @@ def parse_row(row, where):
     return messages, str(answer)
 
 
-def read_rows(source):
-    """(where, row) for each row of a hub id or a .parquet/.jsonl/.json file; where names the file and the line
-    (1-based, as an editor shows it) or row. A .jsonl file is read here, a line at a time, so a bad line gets
-    one line naming it (through `datasets`: 71 lines of pyarrow traceback)."""
+def load_examples(source, tok, max_prompt_len, dedup, rank=0):
+    """Rows of a hub id or a .parquet/.jsonl/.json file, tokenised through the chat template; long and (if
+    dedup) repeated prompts dropped. Errors name the file and the line as an editor numbers it, or the row."""
+    import datasets
     kind = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "json"}.get(os.path.splitext(source)[1])
     if kind and not os.path.exists(source):
         raise SystemExit(f"dapo: data file {source!r} does not exist")
-    if kind != "jsonl":
-        import datasets
-        rows = datasets.load_dataset(kind or source, data_files=source if kind else None, split="train")
-        yield from ((f"{source} row {i}", row) for i, row in enumerate(rows, 1))
-        return
-    with open(source, encoding="utf-8") as f:
-        for n, line in ((n, s.strip()) for n, s in enumerate(f, 1) if s.strip()):  # blank lines skipped
-            try:
-                yield f"{source} line {n}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"dapo: {source} line {n}: not valid JSON "
-                                 f"({e.msg.removesuffix(' at')} at column {e.colno})") from e
-
-
-def load_examples(source, tok, max_prompt_len, dedup, rank=0):
-    """Rows of a hub id or a .parquet/.jsonl/.json file, tokenised through the chat template; long and
-    (if dedup) repeated prompts dropped."""
+    if kind == "jsonl":  # read here, a line at a time (through `datasets` a bad line was 71 lines of traceback)
+        with open(source, encoding="utf-8") as f:
+            rows = [(f"{source} line {n}", line.strip()) for n, line in enumerate(f, 1) if line.strip()]
+    else:
+        rows = ((f"{source} row {i}", row) for i, row in enumerate(datasets.load_dataset(
+            kind or source, data_files=source if kind else None, split="train"), 1))
     examples, seen, n_rows, n_long, n_dup = [], set(), 0, 0, 0
-    for n_rows, (where, row) in enumerate(read_rows(source), 1):
-        messages, answer = parse_row(row, where)
+    for n_rows, (where, row) in enumerate(rows, 1):
+        try:
+            messages, answer = parse_row(json.loads(row) if kind == "jsonl" else row, where)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"dapo: {where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
         key = json.dumps(messages)
         if dedup and key in seen:
             n_dup += 1
@@ -340,10 +327,9 @@ def load_examples(source, tok, max_prompt_len, dedup, rank=0):
     if rank == 0:
         print(f"dapo: {source}: {n_rows} rows, kept {len(examples)}, dropped {n_dup} repeated prompts "
               f"and {n_long} prompts over {max_prompt_len} tokens", flush=True)
-    if not examples:
-        raise SystemExit(f"dapo: {source}: " + ("no rows: the file is empty" if not n_rows else
-                         f"no rows left after filtering (dedup_prompts={dedup} dropped {n_dup}, "
-                         f"max_prompt_len={max_prompt_len} dropped {n_long} of {n_rows})"))
+    if not examples:  # an empty file says "of 0"
+        raise SystemExit(f"dapo: {source}: no rows left of {n_rows} after filtering (dedup_prompts={dedup} "
+                         f"dropped {n_dup}, max_prompt_len={max_prompt_len} dropped {n_long})")
     return examples
 
 
@@ -441,15 +427,14 @@ def make_engine(cfg, d):
     if not cuda:  # a prompt split over two prefill passes rewinds its seeded generator: CUDA ones only can
         kw.update(enable_chunked_prefill=False,
                   max_num_batched_tokens=max(4096, cfg.max_prompt_len + cfg.max_response_len))
-    set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide with a no-op
+    set_threads, local_world = torch.set_num_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # vLLM changes both
     engine = LLM(model=cfg.model, tensor_parallel_size=cfg.rollout_tp, distributed_executor_backend="external_launcher",
                  seed=cfg.seed + d["dp_rank"],  # one per TP group; rollouts and evals seed each prompt
                  dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.max_prompt_len + cfg.max_response_len,
                  enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
                  trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kw)
-    torch.set_num_threads = set_threads
-    # torchrun and vLLM's loader left torch on 1 thread: the CPU side of offload (AdamW, clip) needs the cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // d["local_world"]))
+    torch.set_num_threads = set_threads  # vLLM's CPU worker made it a no-op; torchrun and its loader left 1 thread:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # the node's share (offload's CPU AdamW)
     return engine
 
 
@@ -726,8 +711,7 @@ def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_
     over any split gives the unsplit loss: Eq. 12 divides by all tokens, Eq. 5 averages per sample.
     Returns (loss, number of tokens clipped low, number clipped high).
     """
-    # Eq. 9's r_i,t(theta). Deviation from the paper (verl's choice): the log-ratio is clamped to [-20, 20], or
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # one token at e^100 = inf NaNs the whole update
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # Eq. 9's r; deviation from the paper (verl's): e^100 = inf
     a = adv[:, None]
     obj = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # Eq. 10, inside Eq. 8
     if dual_clip_c > 0:  # released recipe: bound a negative advantage's loss by c * |A|
@@ -856,8 +840,7 @@ def wake(engine, cfg, d, tags):
 # --- Evaluation (§4.1): avg@k on AIME 2024, sharded over DP groups ---
 
 def evaluate(cfg, d, engine, tok, examples, step):
-    """avg@k and pass@k over the (deduplicated) eval problems, seeded by problem, so a TP group's ranks and every
-    eval draw alike (the engine's generator moves with all it sampled); every sample's verdict to a file."""
+    """avg@k and pass@k, seeded by problem (a TP group's ranks and all evals draw alike); verdicts to a file."""
     mine = examples[d["dp_rank"]::d["n_dp"]]
     outs = generate(engine, [e["prompt_ids"] for e in mine], cfg.eval_k, cfg.max_response_len, cfg.eval_temperature,
                     cfg.eval_top_p, [(cfg.seed << 40) + (1 << 39) + e["idx"] * cfg.eval_k for e in mine])
@@ -920,8 +903,6 @@ def list_checkpoints(root):
 
 
 def load_checkpoint(path, d, model, optim, sched, seed):
-    """DCP reshards the weights and AdamW state to this world size. The RNG state continues where it was
-    saved on the same world size; on another, each DP rank's is re-derived from (seed, step, dp_rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     msd, osd = get_state_dict(model, optim)
@@ -930,12 +911,11 @@ def load_checkpoint(path, d, model, optim, sched, seed):
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
     sched.load_state_dict(state.pop("scheduler"))
-    rng_file = os.path.join(path, f"rng_rank{d['rank']}.pt")
-    if state.pop("world", d["world"]) != d["world"] or not os.path.exists(rng_file):
-        torch.manual_seed(h := hash((seed, state["step"], d["dp_rank"])) % 2**63)  # ints: one hash in every process
-        random.seed(h)
+    if state.pop("world", d["world"]) != d["world"] or not os.path.exists(f"{path}/rng_rank{d['rank']}.pt"):
+        torch.manual_seed(h := hash((seed, state["step"], d["dp_rank"])) % 2**63)  # another world size: DCP
+        random.seed(h)  # resharded the rest; each DP rank's RNG from (seed, step, dp_rank), ints: one hash anywhere
         return state
-    rng = torch.load(rng_file, weights_only=False)
+    rng = torch.load(f"{path}/rng_rank{d['rank']}.pt", weights_only=False)
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None:
@@ -1100,11 +1080,10 @@ def ensure_demo_model(path):
 # --- Main: set-up, then Algorithm 1 ---
 
 def start(cfg):
-    """Processes, the run folder with the resolved config, the sharded policy, the data, then the engine."""
-    ran = any(os.path.exists(os.path.join(cfg.out_dir, n)) for n in ("metrics.jsonl", "ckpt"))
-    if ran and not (cfg.resume or cfg.eval_only):  # every rank stops here, before a save would fail hours in
-        raise SystemExit(f"dapo: {cfg.out_dir} already holds a run (metrics.jsonl or ckpt/); "
-                         "continue it with --resume true, or pass another --out_dir")
+    """Processes, the run folder with the resolved config, the sharded policy, then the engine."""
+    ran = [n for n in ("metrics.jsonl", "ckpt/") if os.path.exists(os.path.join(cfg.out_dir, n))]
+    if ran and not (cfg.resume or cfg.eval_only):  # every rank stops here, not at the first save hours in
+        raise SystemExit(f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or another --out_dir")
     d = init_distributed(cfg)
     cpu_setup(d)
     if d["rank"] == 0:
@@ -1115,10 +1094,7 @@ def start(cfg):
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     dist.barrier()  # the demo model and the run folder exist before anyone reads them
     tok, model = load_policy(cfg, d)
-    load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len, rank=d["rank"])
-    train_set = [] if cfg.eval_only else load(cfg.train_data, dedup=cfg.dedup_prompts)
-    eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_only or cfg.eval_every else []
-    return cfg, d, tok, model, train_set, eval_set, make_engine(cfg, d)  # bad data stops the run before the engine
+    return cfg, d, tok, model, make_engine(cfg, d)
 
 
 def main(argv=None):
@@ -1126,9 +1102,11 @@ def main(argv=None):
     quiet_libraries(cfg)
     if cfg.estimate_memory:
         return estimate_memory(cfg, cfg.estimate_memory)
-    cfg, d, tok, model, train_set, eval_set, engine = start(cfg)
+    cfg, d, tok, model, engine = start(cfg)
+    eval_set = load_examples(cfg.eval_data, tok, cfg.max_prompt_len, True, d["rank"]) \
+        if cfg.eval_only or cfg.eval_every else []
     if not cfg.eval_only:
-        return train(cfg, d, tok, model, engine, train_set, eval_set)
+        return train(cfg, d, tok, model, engine, eval_set)
     metrics = evaluate(cfg, d, engine, tok, eval_set, 0)
     if d["rank"] == 0:
         print(json.dumps(metrics), flush=True)
@@ -1136,8 +1114,9 @@ def main(argv=None):
     return metrics
 
 
-def train(cfg, d, tok, model, engine, train_set, eval_set):
+def train(cfg, d, tok, model, engine, eval_set):
     """Algorithm 1, its lines labelled, with checkpoints, evaluation and a clean Ctrl-C around it."""
+    train_set = load_examples(cfg.train_data, tok, cfg.max_prompt_len, cfg.dedup_prompts, d["rank"])
     optim = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant: deviation 3
         optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
@@ -1216,7 +1195,6 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:  # bad input: one line (e.code), from rank 0 as every rank meets the same check:
-        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":  # the others wait for rank 0 to say
-            time.sleep(30)  # it and torchrun to stop them all; an error of this rank alone shows after the wait
-        raise
+    except SystemExit as e:  # bad input: one line, from rank 0; the others meet the same check and wait for
+        time.sleep(30 if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0" else 0)  # torchrun to end
+        raise  # them (an error of their own shows after the wait)
