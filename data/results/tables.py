@@ -47,6 +47,20 @@ def summary(folder):
     return "\n".join(rows)
 
 
+def memory(folder):
+    """The memory profile: peak and end-of-step resident memory (GiB) of 10-step runs, by step."""
+    rows = [f"Memory, `{os.path.relpath(folder, os.path.dirname(os.path.dirname(HERE)))}/`:", "",
+            "| run | peak RSS after steps 1, 2, 5, 10 | resident at the end of steps 1, 2, 5, 10 | median step s |",
+            "|" + " --- |" * 4]
+    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
+        ms = {m["step"]: m for m in load(path)}
+        at = [s for s in (1, 2, 5, 10) if s in ms]
+        rows.append(f"| `{os.path.basename(path)}` | " + ", ".join(f"{ms[s]['perf/peak_rss_gb']:.2f}" for s in at)
+                    + " | " + ", ".join(f"{ms[s]['perf/rss_gb']:.2f}" for s in at)
+                    + f" | {statistics.median(m['perf/step_s'] for m in ms.values()):.1f} |")
+    return "\n".join(rows)
+
+
 def steps(path):
     """One run step by step."""
     cols = [("reward/accuracy", "accuracy", 3), ("dynamic_sampling/kept_groups", "kept groups", 0),
@@ -72,6 +86,8 @@ if __name__ == "__main__":
     else:
         for folder in sorted(glob.glob(os.path.join(HERE, "*", "command.txt"))):
             print(summary(os.path.dirname(folder)) + "\n")
+            if os.path.isdir(os.path.join(os.path.dirname(folder), "memory")):
+                print(memory(os.path.join(os.path.dirname(folder), "memory")) + "\n")
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ablation"))
         import plot  # data/ablation/plot.py: Table 1 at CPU scale
         print(plot.table(plot.load()))
