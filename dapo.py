@@ -1057,7 +1057,7 @@ def cpu_setup(d):
     """On CPU, glibc keeps freed memory within a step. By default it returns every freed block over 32 MB
     (logits, the embedding's gradient) to the OS and page-faults the next one in: 28% of the demo's CPU
     time was the kernel's; keeping it made the updates 2x faster. Kept across steps the heap's holes grew
-    the resident set 5.9 -> 9.7 GB in 10 steps: train() trims it after each step (README)."""
+    the resident set 5.9 -> 9.7 GiB in 10 steps: train() trims it after each step (README)."""
     if d["device"].type != "cpu":
         return
     try:
