@@ -169,35 +169,24 @@ PRESETS = {  # Table 1's rows, each adding one technique to the row above, and t
 
 
 def parse_config(argv=None):
-    """Defaults < preset < explicit flags. Validated before any model loads."""
-    argv = sys.argv[1:] if argv is None else argv
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    preset = pre.parse_known_args(argv)[0].preset
-    if preset is None and not torch.cuda.is_available() and "--model" not in argv:
-        preset = "cpu"
-        print(f"dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo) in "
-              f"{'bf16' if PRESETS['cpu']['bf16'] else 'fp32 (no AVX-512 BF16 or AMX)'}; "
-              "pass --preset dapo to override", flush=True)
+    """Defaults < preset < explicit flags. Validated before any model loads; a bad flag is one line."""
+    def boolean(s):  # anything else: argparse's "invalid boolean value: 'maybe'" (a ValueError)
+        return ("0", "false", "no", "off", "1", "true", "yes", "on").index(s.lower()) >= 4
     parser = argparse.ArgumentParser(description="DAPO (arXiv 2503.14476)", allow_abbrev=False)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=preset,
-                        help="named overrides: " + ", ".join(sorted(PRESETS)))
-    overrides = PRESETS[preset or "dapo"]
-    for f in dataclasses.fields(Config):
-        kind = _parse_bool if f.type is bool else f.type
-        parser.add_argument(f"--{f.name}", type=kind, default=overrides.get(f.name, f.default),
-                            help=f.metadata["help"], **({"nargs": "?", "const": True} if f.type is bool else {}))
-    args = vars(parser.parse_args(argv))
-    args.pop("preset")
-    cfg = Config(**args)
+    parser.error = lambda message: sys.exit(f"dapo: {message}")  # not a usage block and exit 2 from every rank
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="named overrides: " + ", ".join(sorted(PRESETS)))
+    for f in dataclasses.fields(Config):  # no defaults here: None marks a flag not given
+        parser.add_argument(f"--{f.name}", type=boolean if f.type is bool else f.type, help=f.metadata["help"],
+                            **({"nargs": "?", "const": True} if f.type is bool else {}))
+    args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    preset = args.pop("preset", None)
+    if preset is None and not torch.cuda.is_available() and "model" not in args:
+        preset = "cpu"
+        print("dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo) in " + ("bf16" if PRESETS["cpu"]["bf16"]
+              else "fp32 (no AVX-512 BF16 or AMX)") + "; pass --preset dapo to override", flush=True)
+    cfg = Config(**{**PRESETS[preset or "dapo"], **args})
     validate(cfg)
     return cfg
-
-
-def _parse_bool(s):
-    if s.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
-    return s.lower() in ("1", "true", "yes", "on")
 
 
 def validate(c):
@@ -214,21 +203,19 @@ def validate(c):
         (c.micro_batch_tokens >= c.max_prompt_len + c.max_response_len,
          f"micro_batch_tokens ({c.micro_batch_tokens}) must hold one full sequence "
          f"(max_prompt_len + max_response_len = {c.max_prompt_len + c.max_response_len})"),
-        (c.gen_prompts_per_round >= 1 and c.max_gen_rounds >= 1,
-         "gen_prompts_per_round and max_gen_rounds must be >= 1"),
         (c.temperature > 0 and 0 < c.top_p <= 1 and c.eval_temperature > 0 and 0 < c.eval_top_p <= 1,
          "temperatures must be > 0 and top-p in (0, 1]"),
         (c.lr > 0 and c.warmup_steps >= 0 and c.steps >= 0, "lr must be > 0, warmup_steps and steps >= 0"),
-        (c.reward_mode in reward.EXTRACTORS,
-         f"reward_mode must be one of {sorted(reward.EXTRACTORS)}, got {c.reward_mode!r}"),
+        (c.reward_mode in reward.EXTRACTORS, f"reward_mode {c.reward_mode!r} is not in {sorted(reward.EXTRACTORS)}"),
         (c.hf_export in ("every", "end"), f"hf_export must be 'every' or 'end', got {c.hf_export!r}"),
-        (c.rollout_tp >= 1 and c.eval_k >= 1 and c.keep_checkpoints >= 1 and c.logp_chunk_tokens >= 0,
-         "rollout_tp, eval_k and keep_checkpoints must be >= 1, logp_chunk_tokens >= 0"),
-        (c.collective_timeout_min > 0 and c.estimate_memory >= 0,
-         "collective_timeout_min must be > 0 and estimate_memory >= 0"),
+        (min(c.rollout_tp, c.eval_k, c.keep_checkpoints, c.gen_prompts_per_round, c.max_gen_rounds) >= 1 and
+         c.logp_chunk_tokens >= 0 and c.collective_timeout_min > 0, "rollout_tp, eval_k, keep_checkpoints, "
+         "gen_prompts_per_round and max_gen_rounds must be >= 1, logp_chunk_tokens >= 0, collective_timeout_min > 0"),
+        (c.estimate_memory >= 0 and c.estimate_memory % max(c.rollout_tp, 1) == 0,  # whole engines, as a real run
+         f"estimate_memory ({c.estimate_memory}) must be 0 or a multiple of rollout_tp ({c.rollout_tp})"),
     ]
-    if not all(ok for ok, _ in checks):
-        raise SystemExit("dapo: invalid config:\n  " + "\n  ".join(msg for ok, msg in checks if not ok))
+    if not all(ok for ok, _ in checks):  # one line, however many
+        raise SystemExit("dapo: invalid config: " + "; ".join(msg for ok, msg in checks if not ok))
 
 
 # --- Distributed set-up: the same file runs under `python` and `torchrun` ---

@@ -1398,24 +1398,46 @@ def test_missing_model_path_through_dapo_is_one_line(tmp_path):
     (["--mini_batch_prompts", "30"], "mini_batch_prompts (30) must divide prompts_per_step (512)"),
     (["--overlong_buffer_len", "30000"], "overlong_buffer_len must be in [0, max_response_len=20480)"),
     (["--micro_batch_tokens", "100"], "micro_batch_tokens (100) must hold one full sequence"),
-    (["--reward_mode", "sympy"], "reward_mode must be one of ['answer', 'boxed', 'last_number']"),
+    (["--reward_mode", "sympy"], "reward_mode 'sympy' is not in ['answer', 'boxed', 'last_number']"),
     (["--top_p", "0"], "top-p in (0, 1]"),
+    (["--estimate_memory", "2"], "estimate_memory (2) must be 0 or a multiple of rollout_tp (4)"),
+    (["--estimate_memory", "6"], "estimate_memory (6) must be 0 or a multiple of rollout_tp (4)"),
 ])
 def test_bad_config_values_fail_before_loading(flags, message):
-    """Validation runs in parse_config, before any model or engine loads."""
-    with pytest.raises(SystemExit, match=re.escape(message)):
+    """Validation runs in parse_config, before any model or engine loads, and
+    says it in one line. --estimate_memory N below or off rollout_tp's
+    multiples is rejected: the bug was a plan of GPUs no real run can have."""
+    with pytest.raises(SystemExit, match=re.escape(message)) as e:
         dapo.parse_config(["--preset", "dapo", *flags])
+    assert str(e.value).startswith("dapo: invalid config: ") and "\n" not in str(e.value)
 
 
-def test_unknown_preset_or_flag_lists_choices(capsys):
-    """A wrong preset lists the valid ones; a misspelt flag is an error, never an abbreviation match."""
-    with pytest.raises(SystemExit):
-        dapo.parse_config(["--preset", "ppo"])
-    err = capsys.readouterr().err
-    assert "invalid choice: 'ppo'" in err and "grpo+clip_higher" in err
-    with pytest.raises(SystemExit):  # abbreviations are off: a typo is an error, not a match
-        dapo.parse_config(["--preset", "dapo", "--eps_hi", "0.3"])
-    assert "unrecognized arguments: --eps_hi" in capsys.readouterr().err
+@pytest.mark.parametrize("flags,message", [
+    (["--preset", "ppo"], "argument --preset: invalid choice: 'ppo' (choose from 'cpu', 'dapo', 'grpo', "
+                          "'grpo+clip_higher', 'grpo+overlong_filter', 'grpo+soft_overlong', 'grpo+token_level')"),
+    (["--preset", "dapo", "--eps_hi", "0.3"], "unrecognized arguments: --eps_hi 0.3"),  # no abbreviation match
+    (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+    (["--bf16", "maybe"], "argument --bf16: invalid boolean value: 'maybe'"),
+    (["--steps"], "argument --steps: expected one argument"),
+])
+def test_unknown_preset_or_flag_is_one_line(flags, message):
+    """A wrong preset lists the valid ones, a misspelt flag is an error (never
+    an abbreviation match), a value of the wrong type names its flag: one
+    line each. The bug: argparse's usage block and exit 2, from every rank."""
+    with pytest.raises(SystemExit) as e:
+        dapo.parse_config(flags)
+    assert e.value.code == f"dapo: {message}"
+
+
+@pytest.mark.parametrize("flags,names", [(["--bogus"], ["--bogus"]),
+                                         (["--preset", "dapo", "--group_size", "1", "--eps_high", "0.1"],
+                                          ["group_size", "eps_high"])])
+def test_bad_flag_through_dapo_is_one_line(flags, names):
+    """Through dapo.py: stderr is exactly one line naming the flag (every bad value in it), nothing on stdout,
+    a non-zero exit. The bug: argparse's usage block and a multi-line config error."""
+    p = _run(flags, check=False, env=_console_env())
+    assert p.returncode == 1 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr.startswith("dapo: ") and all(n in p.stderr for n in names)
 
 
 def test_presets_and_explicit_flags():
