@@ -343,8 +343,7 @@ def load_policy(cfg, d):
     it a tensor at a time. No rank ever holds a full fp32 copy (130 GB at 32B)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    looks_local = cfg.model.startswith((".", "/", "~")) or os.path.isdir(cfg.model) or cfg.model.count("/") != 1
-    if looks_local and not os.path.isdir(cfg.model):
+    if not os.path.isdir(cfg.model) and (cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1):
         raise SystemExit(f"dapo: model path {cfg.model!r} does not exist")
     remote = dict(trust_remote_code=cfg.trust_remote_code)
     try:
@@ -1067,7 +1066,7 @@ def ensure_demo_model(path):
 # --- Main: set-up, then Algorithm 1 ---
 
 def start(cfg):
-    """Processes, the run folder with the resolved config, the sharded policy, then the engine."""
+    """Processes, the run folder with the resolved config, the sharded policy, the data, a fit check, the engine."""
     ran = [n for n in ("metrics.jsonl", "ckpt/") if os.path.exists(os.path.join(cfg.out_dir, n))]
     if ran and not (cfg.resume or cfg.eval_only):  # every rank stops here, not at the first save hours in
         raise SystemExit(f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or another --out_dir")
@@ -1081,7 +1080,24 @@ def start(cfg):
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     dist.barrier()  # the demo model and the run folder exist before anyone reads them
     tok, model = load_policy(cfg, d)
-    return cfg, d, tok, model, make_engine(cfg, d)
+    load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len, rank=d["rank"])
+    train_set = [] if cfg.eval_only else load(cfg.train_data, dedup=cfg.dedup_prompts)
+    eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_only or cfg.eval_every else []
+    if d["device"].type == "cuda" and not (cfg.eval_only or cfg.engine_kv_cache_gb):  # before vLLM starts
+        check_fit(cfg, sum(p.numel() for p in model.parameters()), d["world"], torch.cuda.mem_get_info()[1])
+    return cfg, d, tok, model, train_set, eval_set, make_engine(cfg, d)
+
+
+def check_fit(c, n_params, world, gpu_bytes):
+    """One GPU, static: fp32 params, grads, AdamW state (16 bytes a parameter / world; none under offload) beside the
+    engine's engine_mem share, in which its bf16 weights (2 bytes a parameter / rollout_tp) must leave KV room."""
+    share, trainer = c.engine_mem * gpu_bytes, (not c.offload_optimizer) * 16 * n_params / world
+    tp = next((t for t in range(c.rollout_tp, world + 1) if world % t == 0 and 2 * n_params / t < share), 0)
+    fixes = [f for f, bad in ((f"--rollout_tp {tp}" if tp else "a larger --engine_mem", tp != c.rollout_tp),
+                              ("--offload_optimizer true", trainer > gpu_bytes - share)) if bad]
+    if fixes:
+        raise SystemExit(f"dapo: {n_params / 1e9:.1f}B parameters do not fit {world} x {gpu_bytes / 2**30:.0f} GiB as "
+                         f"configured: try {' and '.join(fixes)} (--estimate_memory {world} plans it in full)")
 
 
 def main(argv=None):
@@ -1089,11 +1105,9 @@ def main(argv=None):
     quiet_libraries(cfg)
     if cfg.estimate_memory:
         return estimate_memory(cfg, cfg.estimate_memory)
-    cfg, d, tok, model, engine = start(cfg)
-    eval_set = load_examples(cfg.eval_data, tok, cfg.max_prompt_len, True, d["rank"]) \
-        if cfg.eval_only or cfg.eval_every else []
+    cfg, d, tok, model, train_set, eval_set, engine = start(cfg)
     if not cfg.eval_only:
-        return train(cfg, d, tok, model, engine, eval_set)
+        return train(cfg, d, tok, model, engine, train_set, eval_set)
     metrics = evaluate(cfg, d, engine, tok, eval_set, 0)
     if d["rank"] == 0:
         print(json.dumps(metrics), flush=True)
@@ -1101,9 +1115,8 @@ def main(argv=None):
     return metrics
 
 
-def train(cfg, d, tok, model, engine, eval_set):
+def train(cfg, d, tok, model, engine, train_set, eval_set):
     """Algorithm 1, its lines labelled, with checkpoints, evaluation and a clean Ctrl-C around it."""
-    train_set = load_examples(cfg.train_data, tok, cfg.max_prompt_len, cfg.dedup_prompts, d["rank"])
     optim = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant: deviation 3
         optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)

@@ -961,6 +961,33 @@ def test_documented_one_gpu_command_fits():
     assert out["host_gib_per_node"] == pytest.approx(_host_gib(out["params"], 1, 1), abs=0.1)
 
 
+def test_check_fit_by_hand():
+    """The start's fit check, by hand on one GPU of 79 GiB (an 80 GB card as torch counts it), engine_mem 0.5:
+    39.5 GiB for the engine. Qwen2.5-32B (32.76B parameters) in bf16 is 61.0 GiB: at rollout_tp 1 it leaves
+    the engine no KV cache (the bare defaults' crash), at TP 2 30.5 GiB, at TP 4 15.3. Without offload the
+    trainer's 16 bytes a parameter over 8 GPUs are 61.0 GiB beside the engine's 39.5. The docstring's commands
+    pass; a plan that fails names the flags that would fit, in one line."""
+    n32, n7, gpu = 32763876352, 7615616512, 79 * 2**30  # parameter counts of data/qwen2.5-{32b,7b}/config.json
+
+    def fails(n, world, *flags):
+        try:
+            dapo.check_fit(dapo.parse_config(["--preset", "dapo", *flags]), n, world, gpu)
+        except SystemExit as e:
+            assert "\n" not in e.code and e.code.startswith(f"dapo: {n / 1e9:.1f}B parameters do not fit {world} x 79 ")
+            return e.code.split("try ")[1].split(" (")[0]
+    assert fails(n32, 8, "--rollout_tp", "1") == "--rollout_tp 2"
+    assert fails(n32, 8) is None and fails(n32, 8, "--rollout_tp", "8") is None  # the defaults (TP 4, offload)
+    assert fails(n32, 8, "--offload_optimizer", "false") == "--offload_optimizer true"
+    assert fails(n32, 8, "--offload_optimizer", "false", "--rollout_tp", "1") == \
+        "--rollout_tp 2 and --offload_optimizer true"
+    assert fails(n32, 1, "--rollout_tp", "1") == "a larger --engine_mem"  # 61.0 GiB of bf16 weights on one GPU
+    assert fails(n7, 1, "--rollout_tp", "1", "--offload_optimizer", "false") == "--offload_optimizer true"  # 113.5
+    assert fails(n32, 8, "--offload_optimizer", "false", "--engine_mem", "0.2", "--rollout_tp", "8") is None  # 61+16
+    for comment, model, n, world in (("one GPU (80 GB)", "qwen2.5-7b", n7, 1), ("one node (8 x 80 GB)", "qwen2.5-32b",
+                                                                                n32, 8)):
+        assert fails(n, world, *_documented(comment, model, world)[:-2]) is None
+
+
 @pytest.mark.skipif(not os.environ.get("DAPO_SLOW_TESTS"), reason="the 32B simulation takes about 100 s on a "
                     "2-core CPU; set DAPO_SLOW_TESTS=1")
 def test_documented_one_node_command_fits():
@@ -1357,17 +1384,26 @@ BAD_DATA = {  # a bad-input class -> (file contents, the one line that names it)
 
 @pytest.mark.parametrize("case", BAD_DATA)
 def test_bad_data_is_one_line_naming_file_and_line(tiny_model, tmp_path, case):
-    """Through dapo.py: a bad training file ends in one line on stderr naming
-    the file and the line as an editor numbers it (1-based, blank lines
-    counted), a non-zero exit and no traceback. The bug: 71 lines of pyarrow
-    traceback through `datasets` for a malformed line, and "row 0" for the
-    file's line 1."""
+    """Through dapo.main with the engine's start replaced by a failure: a bad
+    training file ends in one line on stderr naming the file and the line as
+    an editor numbers it (1-based, blank lines counted), a non-zero exit and
+    no traceback, before the engine is built. The bugs: 71 lines of pyarrow
+    traceback through `datasets` for a malformed line, "row 0" for the file's
+    line 1, and the data read only after vLLM's start-up (minutes on a GPU)."""
     contents, message = BAD_DATA[case]
     (tmp_path / "train.jsonl").write_text(contents)
     p = _run(_tiny_args(tiny_model, tmp_path / "out", "--train_data", str(tmp_path / "train.jsonl")), check=False,
-             env=_console_env())
+             env=_console_env(), script=(__file__, "no_engine"))
     assert p.returncode != 0
     assert p.stderr.strip() == f"dapo: {tmp_path / 'train.jsonl'}{message}"
+
+
+def _worker_no_engine(*argv):
+    """dapo.main whose engine start fails loudly: what must stop a run before the engine stops it first."""
+    def make_engine(cfg, d):
+        raise RuntimeError("make_engine was called")
+    dapo.make_engine = make_engine
+    dapo.main(list(argv))
 
 
 def test_bad_input_on_two_ranks_is_one_line_from_rank_0(tiny_model, tmp_path):
@@ -1586,4 +1622,4 @@ def _read_jsonl(path):
 if __name__ == "__main__":  # workers for the multi-process tests above
     {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload,
      "estimate": _worker_estimate, "scripted_main": _worker_scripted_main,
-     "threads": _worker_threads, "reshard": _worker_reshard}[sys.argv[1]](*sys.argv[2:])
+     "threads": _worker_threads, "reshard": _worker_reshard, "no_engine": _worker_no_engine}[sys.argv[1]](*sys.argv[2:])
