@@ -416,8 +416,8 @@ def make_engine(cfg, d):
     engine = LLM(model=cfg.model, tensor_parallel_size=cfg.rollout_tp, distributed_executor_backend="external_launcher",
                  seed=cfg.seed + d["dp_rank"],  # one per TP group; rollouts and evals seed each prompt
                  dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.max_prompt_len + cfg.max_response_len,
-                 enable_sleep_mode=cuda and cfg.engine_sleep, enforce_eager=not cuda,
-                 trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False, **kw)
+                 enable_sleep_mode=cuda and cfg.engine_sleep, trust_remote_code=cfg.trust_remote_code,
+                 use_tqdm_on_load=False, enforce_eager=True, **kw)  # CUDA graphs would stay on the GPU while asleep
     torch.set_num_threads = set_threads  # vLLM's CPU worker made it a no-op; torchrun and its loader left 1 thread:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # the node's share (offload's CPU AdamW)
     return engine
