@@ -931,7 +931,8 @@ def estimate_memory(cfg, n_gpus):
     T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len  # validate(): T <= micro_batch
     b = collate([[dict(prompt_ids=[0] * (T - R), ids=torch.randint(0, config.vocab_size, (R,)).tolist(),
                        loss_mask=1.0, adv=1.0, engine_logp=[0.0] * R)]], 0, d["device"])  # one longest row
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:  # FSDP2's default mesh follows a visible GPU: keep it with the batch, on CPU
+        stack.enter_context(mock.patch("torch._C._get_accelerator", lambda: torch.device("cpu")))
         if fake:
             dist.init_process_group("fake", rank=0, world_size=n_gpus, store=FakeStore())
             stack.callback(dist.destroy_process_group)
@@ -942,8 +943,7 @@ def estimate_memory(cfg, n_gpus):
         if fake:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty: meta -> fake
             # DTensor's shape propagation reuses an ambient fake mode: the tracker counts its full-size scratch
-            stack.enter_context(mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode",
-                                           lambda *a: None))
+            stack.enter_context(mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode", lambda *a: None))
             # transformers takes fake tensors for tracing (a [T,T] mask, repeated K/V): skip it as a real run does
             skip = masking_utils._ignore_causal_mask_sdpa
             stack.enter_context(mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa",
