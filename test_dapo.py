@@ -877,8 +877,25 @@ def test_resume_on_another_world_size(tiny_model, tmp_path, worlds):
     assert len(set(map(tuple, r["draws"]))) == loader  # one stream per DP rank
 
 
-def _worker_reshard(model_dir, folder, phase):
+def _flat_state(model, optim):
+    """Every tensor and number of the full model and optimizer state, by path, on the CPU."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    full = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat = {}
+
+    def walk(prefix, x):
+        for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+            walk(f"{prefix}/{k}", v) if isinstance(v, (dict, list)) else flat.__setitem__(f"{prefix}/{k}", v)
+    walk("", full)
+    return flat
+
+
+def _equal_states(a, b):
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                                          for k in a)
+
+
+def _worker_reshard(model_dir, folder, phase):
     cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
                       activation_checkpointing=False, out_dir=folder, **FEW_RANKS)
     d = dapo.init_distributed(cfg)
@@ -891,21 +908,14 @@ def _worker_reshard(model_dir, folder, phase):
         dapo.save_checkpoint(cfg, d, model, optim, sched, tok, dict(step=1, data_pos=8), hf=False)
     else:
         state = dapo.load_checkpoint(os.path.join(folder, "ckpt", "step_000001"), d, model, optim, sched, cfg.seed)
-    full = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    flat = {}
-
-    def walk(prefix, x):  # every tensor and number of the full model and optimizer state, by path
-        for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
-            walk(f"{prefix}/{k}", v) if isinstance(v, (dict, list)) else flat.__setitem__(f"{prefix}/{k}", v)
-    walk("", full)
+    flat = _flat_state(model, optim)
     draws = [None] * d["world"]
     torch.distributed.all_gather_object(draws, (random.random(), torch.rand(1).item()))
     if d["rank"] == 0 and phase == "save":
         torch.save(flat, os.path.join(folder, "saved.pt"))
     elif d["rank"] == 0:
         saved = torch.load(os.path.join(folder, "saved.pt"), weights_only=False)
-        equal = sorted(saved) == sorted(flat) and all(
-            torch.equal(saved[k], flat[k]) if torch.is_tensor(saved[k]) else saved[k] == flat[k] for k in saved)
+        equal = _equal_states(saved, flat)
         with open(os.path.join(folder, "reshard.json"), "w") as f:
             json.dump(dict(equal=equal, n_tensors=sum(torch.is_tensor(v) for v in flat.values()), state=state,
                            lr=sched.get_last_lr()[0], draws=draws), f)
@@ -1619,7 +1629,198 @@ def _read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+# =============================================================================
+# One GPU: what only CUDA can show. Skipped without a GPU; on one (no vLLM, no
+# network, a few minutes): python -m pytest -q -rs test_dapo.py -k cuda
+# =============================================================================
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; on one: python -m pytest -q -rs "
+                          "test_dapo.py -k cuda (no vLLM, no network, a few minutes)")
+
+
+@pytest.fixture(scope="session")
+def small_qwen(tmp_path_factory):
+    """A random 2-layer Qwen2 saved in bf16 (tied head, 1,024 words) with a word-level tokenizer: a Hugging
+    Face folder that load_policy reads, made without a network."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    path = str(tmp_path_factory.mktemp("small_qwen"))
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1024)}, unk_token="w2"))
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w0", eos_token="w1").save_pretrained(path)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                 max_position_embeddings=1024)).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _cuda_check(check, model_dir, tmp_path):
+    """Runs one check of _worker_cuda in a fresh 1-rank torchrun process; returns its findings."""
+    _torchrun(1, __file__, "cuda", check, model_dir, str(tmp_path / f"{check}.json"))
+    return json.loads((tmp_path / f"{check}.json").read_text())
+
+
+@CUDA
+def test_cuda_fsdp2_bf16_with_and_without_offload(small_qwen, tmp_path):
+    """Through load_policy and train_step on one GPU: the process group reduces CPU tensors over gloo and CUDA
+    ones over NCCL; FSDP2 computes in bf16 from fp32 master shards held on the GPU, or pinned in host memory
+    under --offload_optimizer; fused AdamW steps on either, its state beside the shards; two steps of two
+    updates each end at the same weights both ways. Guards against what the gloo tests cannot see: offloaded
+    shards that are unpinned or left on the GPU, fp32 compute, a clip or AdamW step that fails on CPU tensors
+    beside NCCL, an offloaded update that differs."""
+    r = _cuda_check("fsdp", small_qwen, tmp_path)
+    assert sorted(r["backend"].replace(" ", "").split(",")) == ["cpu:gloo", "cuda:nccl"] and r["sums"] == [1, 1], r
+    assert r["False"] == dict(shards=["cuda"], pinned=False, state=["cuda"], compute=["torch.bfloat16"], skipped=0), r
+    assert r["True"] == dict(shards=["cpu"], pinned=True, state=["cpu"], compute=["torch.bfloat16"], skipped=0), r
+    assert r["moved"] > 1e-3 and r["rel_diff"] < 1e-3, r  # AdamW on CPU and on CUDA round alike to ~1e-7
+
+
+@CUDA
+def test_cuda_chunked_lm_head_matches_full_logits(small_qwen, tmp_path):
+    """token_logp under FSDP2's bf16 on a GPU, the LM head 5 tokens at a time (recomputed in backward) against
+    all at once: the same log-probs and gradients, up to bf16 rounding of matmuls of other shapes. Guards
+    against a chunk boundary that shifts or drops a token (an O(1) error) on CUDA's kernels."""
+    r = _cuda_check("chunk", small_qwen, tmp_path)
+    assert r["n_tokens"] % 5 and r["max_logp_diff"] < 0.05 and r["grad_rel_err"] < 0.05, r
+
+
+@CUDA
+def test_cuda_dcp_save_and_resume(small_qwen, tmp_path):
+    """save_checkpoint (hf=False) after one step of two updates, then load_checkpoint into a fresh policy and
+    optimizer, with and without --offload_optimizer: every weight, AdamW moment and step count equal, the step
+    and data position carried over, offloaded shards still pinned. Guards against DCP on CUDA or pinned host
+    tensors beside NCCL losing or reshaping state that the gloo tests keep."""
+    r = _cuda_check("dcp", small_qwen, tmp_path)
+    for offload in ("False", "True"):
+        assert r[offload]["equal"] and r[offload]["n_tensors"] > 20, r
+        assert r[offload]["state"] == dict(step=1, data_pos=8) and r[offload]["pinned"] == (offload == "True"), r
+
+
+@CUDA
+@pytest.mark.parametrize("shape", ["qwen2.5-0.5b", "qwen2.5-1.5b"])
+def test_cuda_memory_plan_matches_max_memory_allocated(shape, tmp_path):
+    """--estimate_memory 1, run as a user does (the GPU visible), against the same two training micro-steps
+    of a randomly initialised model of Qwen2.5's shape (data/<shape>/config.json) on this GPU, without
+    offload: each phase's peak within 10% of torch.cuda.max_memory_allocated. Guards against a plan that holds
+    only for CPU tensors (the CPU test's reference) while CUDA's kernels, streams or allocator add memory it
+    does not count, and against a simulation that breaks where a GPU is visible."""
+    flags = ["--preset", "dapo", "--model", os.path.join(ROOT, "data", shape), "--rollout_tp", "1",
+             "--offload_optimizer", "false", "--max_prompt_len", "512", "--max_response_len", "3584",
+             "--overlong_buffer_len", "512", "--micro_batch_tokens", "4096"]
+    sim = json.loads(_run([*flags, "--estimate_memory", "1"], timeout=600).stdout.strip().splitlines()[-1])["phases"]
+    _torchrun(1, __file__, "cuda_memory", str(tmp_path / "real.json"), *flags)
+    real = json.loads((tmp_path / "real.json").read_text())
+    assert sorted(real) == ["train.backward", "train.forward", "train.optimizer"]
+    for phase, gib in real.items():
+        assert sim[phase]["Total"] == pytest.approx(gib, rel=0.10), (phase, sim[phase], gib)
+
+
+def _worker_cuda(check, model_dir, out):
+    """One check on one rank: on a GPU (also runs on CPU, gloo only, as a dry run of the code)."""
+    import torch.distributed as dist
+    cfg = dapo.Config(model=model_dir, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
+                      out_dir=os.path.dirname(out), **FEW_RANKS)
+    d = dapo.init_distributed(cfg)  # on a GPU: cpu:gloo,cuda:nccl
+    r = {}
+    if check == "fsdp":
+        cpu_sum, dev_sum = torch.ones(1), torch.ones(1, device=d["device"])
+        dist.all_reduce(cpu_sum)  # gloo
+        dist.all_reduce(dev_sum)  # NCCL on a GPU
+        r.update(backend=str(dist.get_backend_config()), sums=[cpu_sum.item(), dev_sum.item()])
+        final = {}
+        for offload in (False, True):
+            c = dataclasses.replace(cfg, offload_optimizer=offload)
+            tok, model = dapo.load_policy(c, d)
+            shards, seen = [p.to_local() for p in model.parameters()], set()
+            model.model.layers[0].mlp.down_proj.register_forward_pre_hook(  # the weight a matmul sees
+                lambda m, a: seen.add(str(m.weight.dtype)))
+            optim = dapo.make_optimizer(model, c)
+            start = {n: t.clone() for n, t in dapo.full_params(model, torch.float32, d["device"], "cpu")}
+            skipped = sum(dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), c, d), c, d, tok)
+                          ["loss/skipped_updates"] for _ in range(2))
+            state = [t.to_local() for s in optim.state.values() for k, t in s.items() if k != "step"]
+            final[offload] = {n: t.clone() for n, t in dapo.full_params(model, torch.float32, d["device"], "cpu")}
+            r[str(offload)] = dict(shards=sorted({t.device.type for t in shards}), compute=sorted(seen),
+                                   pinned=all(t.is_pinned() for t in shards), skipped=skipped,
+                                   state=sorted({t.device.type for t in state}))
+        r.update(moved=_rel_err(final[True], start), rel_diff=_rel_err(final[True], final[False]))
+    elif check == "chunk":
+        tok, model = dapo.load_policy(cfg, d)
+        b = dapo.collate([[s] for g in _grad_rows() for s in g["samples"]], tok.pad_token_id, d["device"])
+        out_ = {}
+        for chunk in (5, 0):
+            model.zero_grad(set_to_none=True)
+            with dapo.cpu_autocast(cfg, d):
+                logp, _ = dapo.token_logp(model, b, 1.0, chunk)
+            (logp * b["resp_mask"]).sum().backward()
+            out_[chunk] = logp.detach().float().cpu(), {n: p.grad.full_tensor().float().cpu().clone()
+                                                         for n, p in model.named_parameters()}
+        r.update(max_logp_diff=(out_[5][0] - out_[0][0]).abs().max().item(), n_tokens=int(b["resp_mask"].sum()),
+                 grad_rel_err=_rel_err(out_[5][1], out_[0][1]))
+    elif check == "dcp":
+        for offload in (False, True):
+            c = dataclasses.replace(cfg, offload_optimizer=offload, out_dir=os.path.join(cfg.out_dir, str(offload)))
+            flat = {}
+            for phase in ("save", "load"):
+                tok, model = dapo.load_policy(c, d)
+                optim = dapo.make_optimizer(model, c)
+                sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5)
+                if phase == "save":  # one step of two updates: AdamW state exists
+                    dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), c, d), c, d, tok)
+                    sched.step()
+                    dapo.save_checkpoint(c, d, model, optim, sched, tok, dict(step=1, data_pos=8), hf=False)
+                else:
+                    state = dapo.load_checkpoint(os.path.join(c.out_dir, "ckpt", "step_000001"), d, model, optim,
+                                                 sched, c.seed)
+                flat[phase] = _flat_state(model, optim)
+            r[str(offload)] = dict(equal=_equal_states(flat["save"], flat["load"]), state=state,
+                                   n_tensors=sum(torch.is_tensor(v) for v in flat["load"].values()),
+                                   pinned=all(p.to_local().is_pinned() for p in model.parameters()))
+    with open(out, "w") as f:
+        json.dump(r, f)
+    dist.destroy_process_group()
+
+
+def _worker_cuda_memory(out, *flags):
+    """The memory plan's two training micro-steps (one longest sequence) on real CUDA tensors: the peak of
+    each phase from the caching allocator, as estimate_memory marks them."""
+    import gc
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = dapo.parse_config(list(flags))
+    d = dapo.init_distributed(cfg)
+    config = AutoConfig.from_pretrained(cfg.model)
+    torch.manual_seed(0)
+    with torch.device(d["device"]):  # randomly initialised, built as estimate_memory builds it
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dapo.shard(model, cfg, d).train()  # bf16 compute on a GPU, as the plan assumes
+    optim = dapo.make_optimizer(model, cfg)
+    T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len
+    b = dapo.collate([[dict(prompt_ids=[0] * (T - R), ids=torch.randint(0, config.vocab_size, (R,)).tolist(),
+                            loss_mask=1.0, adv=1.0, engine_logp=[0.0] * R)]], 0, d["device"])
+    peaks = {}
+
+    def mark(phase):  # the peak since the last mark
+        gc.collect()
+        peaks[phase] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    mark("set-up")
+    for _ in range(2):  # the second step, the one with AdamW state, as the plan reports
+        loss = -dapo.token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)[0].mean()
+        mark("train.forward")
+        loss.backward()
+        mark("train.backward")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        mark("train.optimizer")
+    peaks.pop("set-up")
+    with open(out, "w") as f:
+        json.dump(peaks, f)
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":  # workers for the multi-process tests above
     {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload,
      "estimate": _worker_estimate, "scripted_main": _worker_scripted_main,
-     "threads": _worker_threads, "reshard": _worker_reshard, "no_engine": _worker_no_engine}[sys.argv[1]](*sys.argv[2:])
+     "threads": _worker_threads, "reshard": _worker_reshard, "no_engine": _worker_no_engine,
+     "cuda": _worker_cuda, "cuda_memory": _worker_cuda_memory}[sys.argv[1]](*sys.argv[2:])
