@@ -1012,6 +1012,21 @@ def test_documented_one_gpu_command_fits():
     assert out["host_gib_per_node"] == pytest.approx(_host_gib(out["params"], 1, 1), abs=0.1)
 
 
+def test_dapo_7b_preset_fits_one_node_and_its_window():
+    """--preset dapo_7b (Qwen2.5-Math-7B's config.json): prompt + response fit the model's 4,096 positions,
+    and on 8 x 80 GB it fits without optimizer offload, its host memory only the asleep engines' bf16
+    weights (8 x 2 bytes x 7.6B). The bug it guards against: a preset longer than its model's window, or one
+    that only fits with offload."""
+    cfg = dapo.parse_config(["--preset", "dapo_7b"])
+    window = json.load(open(os.path.join(ROOT, "data", "qwen2.5-math-7b", "config.json")))["max_position_embeddings"]
+    assert cfg.model == "Qwen/Qwen2.5-Math-7B" and cfg.max_prompt_len + cfg.max_response_len <= window == 4096
+    assert not cfg.offload_optimizer and cfg.rollout_tp == 1
+    p = _run(["--preset", "dapo_7b", "--model", os.path.join(ROOT, "data", "qwen2.5-math-7b"), "--estimate_memory", "8"])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["fits"] and out["peak_gib"] <= 80 and out["engine_kv_gib"] > 20 and out["params"] == 7615616512
+    assert out["host_gib_per_node"] == pytest.approx(8 * 2 * out["params"] / 2**30, abs=0.1)
+
+
 @pytest.mark.skipif(not os.environ.get("DAPO_SLOW_TESTS"), reason="the 32B simulation takes about 100 s on a "
                     "2-core CPU; set DAPO_SLOW_TESTS=1")
 def test_documented_one_node_command_fits():
