@@ -883,13 +883,10 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
     _fault_point("save", state["step"])
     msd, osd = get_state_dict(model, optim)  # sharded, saved by every rank
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
-    torch.save(dict(python=random.getstate(), torch=torch.get_rng_state(),
-                    cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None),
-               os.path.join(tmp, f"rng_rank{d['rank']}.pt"))
     dist.barrier()
     if d["rank"] == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(dict(state, scheduler=sched.state_dict(), world=d["world"]), f)
+            json.dump(dict(state, scheduler=sched.state_dict()), f)
         shutil.rmtree(final, ignore_errors=True)  # a stale folder of this step, e.g. left by a run resumed before it
         os.replace(tmp, final)  # atomic: a kill before this line leaves only a .tmp folder
         for old in list_checkpoints(root)[:-cfg.keep_checkpoints]:
@@ -912,15 +909,10 @@ def load_checkpoint(path, d, model, optim, sched, seed):
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
     sched.load_state_dict(state.pop("scheduler"))
-    if state.pop("world", d["world"]) != d["world"] or not os.path.exists(f"{path}/rng_rank{d['rank']}.pt"):
-        torch.manual_seed(h := hash((seed, state["step"], d["dp_rank"])) % 2**63)  # another world size: DCP
-        random.seed(h)  # resharded the rest; each DP rank's RNG from (seed, step, dp_rank), ints: one hash anywhere
-        return state
-    rng = torch.load(f"{path}/rng_rank{d['rank']}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
+    # DCP reshards to any world size. Training draws no random numbers (rollouts are seeded per prompt), so the
+    # RNG is re-derived, not saved: one stream per DP rank from (seed, step, dp_rank) (ints hash alike anywhere)
+    torch.manual_seed(h := hash((seed, state["step"], d["dp_rank"])) % 2**63)
+    random.seed(h)
     return state
 
 
