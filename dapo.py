@@ -375,10 +375,8 @@ def load_policy(cfg, d):
     shard(model, cfg, d)
     model.to_empty(device="cpu" if cfg.offload_optimizer else d["device"])  # this rank's shards only
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    if cfg.bf16 and cfg.bf16_dither:
-        with torch.no_grad():
-            for p in model.parameters():
-                dither_bf16_(p.to_local() if hasattr(p, "to_local") else p)
+    for p in model.parameters() if cfg.bf16 and cfg.bf16_dither else []:
+        dither_bf16_(p.to_local() if hasattr(p, "to_local") else p)
     for m in model.modules():  # rotary inv_freq is in no checkpoint: rebuild it, on the compute device
         if "RotaryEmbedding" in type(m).__name__:
             model._init_weights(m)
@@ -386,6 +384,7 @@ def load_policy(cfg, d):
     return tok, model
 
 
+@torch.no_grad()
 def dither_bf16_(x):
     """In place: a weight on the bf16 grid moves uniformly inside its rounding cell; bf16 sees the same value.
     From the grid point an update shows in bf16 only after the master drifts half an ulp (25 same-sign updates
@@ -729,22 +728,16 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
         loss_mask, resp_mask = b["loss_mask"], b["resp_mask"]
         with cpu_autocast(cfg, d):
             logp, entropy = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)
-        if on_policy:
-            old = logp.detach()
-        else:
-            old = torch.zeros_like(logp)
-            for i, s in enumerate(b["samples"]):
-                old[i, :len(s["ids"])] = s["old_logp"]
+        old = logp.detach() if on_policy else torch.zeros_like(logp)
+        for i, s in enumerate([] if on_policy else b["samples"]):
+            old[i, :len(s["ids"])] = s["old_logp"]
         loss, c_low, c_high, is_w, is_capped = policy_loss(
             logp, old, b["adv"], loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
             dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"],
             n_samples=mb["n_samples"], engine_logp=b["engine_logp"], is_cap=cfg.rollout_is_cap)
-        # FSDP2 averages gradients over ranks; the loss is already a global mean (its denominators
-        # count all ranks), so undo that average.
-        (loss * d["world"]).backward()
+        (loss * d["world"]).backward()  # FSDP2 averages over ranks; the loss is a global mean already: undo it
         for k, v in (("loss", loss.item()), ("clip_low", c_low), ("clip_high", c_high), ("is_w", is_w),
-                     ("is_capped", is_capped),
-                     ("loss_tokens", loss_mask.gt(0).sum().item()),
+                     ("is_capped", is_capped), ("loss_tokens", loss_mask.gt(0).sum().item()),
                      ("entropy", (entropy * resp_mask).sum().item()),
                      ("gap", ((old - b["engine_logp"]).abs() * resp_mask).sum().item()),  # engine vs trainer
                      ("tokens", resp_mask.sum().item()), ("real", b["real"]), ("all", b["ids"].numel())):
