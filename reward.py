@@ -179,6 +179,13 @@ def compute_score(response: str, ground_truth: str, mode: str = "answer") -> flo
     return 1.0 if normalize(pred) == normalize(ground_truth) else -1.0
 
 
+def final_answer(response: str, mode: str = "answer"):
+    """The response's normalised final answer, as compute_score compares it, or None if it has none
+    (for majority voting, maj@k: an unreadable answer casts no vote)."""
+    pred = EXTRACTORS[mode](response)
+    return None if pred == INVALID else normalize(pred)
+
+
 if __name__ == "__main__":  # benchmark: python reward.py
     import random
     import time

@@ -201,6 +201,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import struct  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -255,7 +256,7 @@ def test_policy_loss_hand_values():
     old = torch.zeros(4, 1)
     adv = torch.tensor([1.0, -1.0, 2.0, -1.0])
     mask = torch.ones(4, 1)
-    loss, low, high = dapo.policy_loss(ratio.log(), old, adv, mask, **LOSS, n_tokens=4, n_samples=4)
+    loss, low, high, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, **LOSS, n_tokens=4, n_samples=4)
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 10) / 4, rel=1e-5)
     assert (low, high) == (1, 1)  # ratio 0.5 with A < 0 clipped low, 1.5 with A > 0 high
     # without dual clip the last token's loss is 20
@@ -285,6 +286,29 @@ def test_extreme_log_ratio_is_clamped_before_exp(dtype, adv):
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert torch.equal(loss, at_clamp_loss) and torch.equal(grad, at_clamp_grad)
     assert grad.abs().sum() > 0  # the ordinary tokens still carry gradient
+
+
+def test_truncated_importance_sampling_hand_values():
+    """--rollout_is_cap 3, one sample of 4 tokens at ratio 1, A = +1, the engine's log-probs below the
+    trainer's by 0, log 2, log 5 and 9 (the last token masked): weights 1, 2, min(5, 3) = 3 -> loss
+    -(1 + 2 + 3) / 3 = -2, gradient -w / 3 per token (the weight has no gradient), weight sum 6, 1 token
+    capped (the masked one is not counted). When engine and trainer agree the weights are 1 and the loss is
+    the one without correction. Guards against an uncapped, inverted or differentiated weight."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.0]])
+    engine = old - torch.tensor([[0.0, math.log(2), math.log(5), 9.0]])
+    mask, adv = torch.tensor([[1.0, 1.0, 1.0, 0.0]]), torch.tensor([1.0])
+    logp = old.clone().requires_grad_(True)
+    loss, _, _, w_sum, capped = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1,
+                                                 engine_logp=engine, is_cap=3.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0, rel=1e-6) and (w_sum, capped) == (pytest.approx(6.0), 1)
+    assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, -2 / 3, -1.0, 0.0]]))
+    off, _, _, w_off, capped_off = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1,
+                                                    engine_logp=engine)
+    assert off.item() == pytest.approx(-1.0) and (w_off, capped_off) == (pytest.approx(3.0), 0)
+    agree, _, _, w_agree, _ = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1,
+                                               engine_logp=old, is_cap=3.0)
+    assert agree.item() == off.item() and w_agree == pytest.approx(3.0)
 
 
 def test_token_level_vs_sample_level_hand_values():
@@ -398,6 +422,8 @@ def _unsplit_plan(groups):
 # old_logp = current logp + one of these per token: ratios 0.67, 0.90, 1.11, 1.49, 13.5, so
 # that with both advantage signs every branch of Eq. 10 and the dual clip is taken
 SHIFTS = (0.4, 0.1, -0.1, -0.4, -2.6)
+# engine_logp = old_logp - one of these: importance weights 1.65, 0.74, min(4.48, IS_CAP), 1
+IS_SHIFTS, IS_CAP = (0.5, -0.3, 1.5, 0.0), 2.0
 
 
 def _set_old_logp(model, rows, bf16=False):
@@ -406,12 +432,15 @@ def _set_old_logp(model, rows, bf16=False):
     the rows (it depends on the row only). Returns how many loss tokens take each
     branch of the loss."""
     d = dict(device=torch.device("cpu"))
-    branches = dict(unclipped_pos=0, unclipped_neg=0, clip_high=0, clip_low=0, dual_clip=0)
+    branches = dict(unclipped_pos=0, unclipped_neg=0, clip_high=0, clip_low=0, dual_clip=0, is_capped=0)
     for r in rows:
         with torch.no_grad(), dapo.cpu_autocast(dapo.Config(bf16=bf16), d):
             logp, _ = dapo.token_logp(model, dapo.collate([[r]], 0, d["device"]), 1.0, 4096)
         shift = torch.tensor([SHIFTS[(sum(r["ids"]) + t) % len(SHIFTS)] for t in range(len(r["ids"]))])
         r["old_logp"] = logp[0] + shift
+        is_shift = torch.tensor([IS_SHIFTS[(sum(r["ids"]) + 2 * t) % len(IS_SHIFTS)] for t in range(len(r["ids"]))])
+        r["engine_logp"] = (r["old_logp"] - is_shift).tolist()  # the engine sampled from a slightly other policy
+        branches["is_capped"] += int((is_shift.exp() > IS_CAP).sum()) * (r["loss_mask"] > 0)
         for s in shift.tolist():
             ratio, a = math.exp(-s), r["adv"]
             key = ("clip_high" if ratio > 1.28 else "unclipped_pos") if a > 0 else \
@@ -439,7 +468,8 @@ def _reference(model_dir, token_level, bf16=False):
     plan = _unsplit_plan(_grad_rows())
     branches = _set_old_logp(model, [row[0] for row in plan["micro"][0]], bf16)
     assert all(n > 0 for n in branches.values()), branches  # every branch is compared
-    return model, plan, _grads(model, plan, dapo.Config(bf16=bf16, token_level_loss=token_level))
+    return model, plan, _grads(model, plan, dapo.Config(bf16=bf16, token_level_loss=token_level,
+                                                        rollout_is_cap=IS_CAP))
 
 
 # How far a split gradient may be from the unsplit one: fp32 summation order; in bf16 autocast the
@@ -452,11 +482,12 @@ SPLIT_TOL = {False: 1e-5, True: 2e-2}
 def test_micro_batch_split_matches_unsplit(tiny_model, token_level, bf16):
     """1 micro-batch vs 4, and the LM head in chunks of 5 tokens: the gradient
     is the same, for both loss modes, in fp32 and bf16 autocast, with clipped and
-    unclipped tokens of both signs and dual-clipped ones. A per-micro-batch
+    unclipped tokens of both signs and dual-clipped ones, and truncated importance
+    weights (some capped) on every token. A per-micro-batch
     normalisation (the bug in several frameworks) is shown to differ by more
     than the tolerance, so the comparison can catch it."""
     model, plan, whole = _reference(tiny_model, token_level, bf16)
-    cfg = dapo.Config(bf16=bf16, token_level_loss=token_level, logp_chunk_tokens=5)
+    cfg = dapo.Config(bf16=bf16, token_level_loss=token_level, logp_chunk_tokens=5, rollout_is_cap=IS_CAP)
     rows = plan["micro"][0]
     plan["micro"] = [rows[0:2], rows[2:7], rows[7:8], rows[8:]]
     print(f"split vs unsplit, bf16={bf16}: rel err {_rel_err(_grads(model, plan, cfg), whole):.2e}")
@@ -593,7 +624,8 @@ def test_two_ranks_match_one_rank(tiny_model, tmp_path, token_level):
 
 def _worker_grads(model_dir, out, token_level):
     cfg = dapo.Config(model=model_dir, bf16=False, token_level_loss=bool(int(token_level)), micro_batch_tokens=60,
-                      logp_chunk_tokens=3, activation_checkpointing=False, mini_batch_prompts=2, **FEW_RANKS)
+                      logp_chunk_tokens=3, activation_checkpointing=False, mini_batch_prompts=2, **FEW_RANKS,
+                      rollout_is_cap=IS_CAP)
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
@@ -609,6 +641,7 @@ def _worker_grads(model_dir, out, token_level):
     model.zero_grad(set_to_none=True)
     # loss/policy over 2 updates (mini-batches of 2 groups and 1) with lr 0: the ratio stays 1
     optim = torch.optim.AdamW(model.parameters(), lr=0.0)
+    cfg = dataclasses.replace(cfg, rollout_is_cap=0.0)  # _grad_rows' engine_logp are 0: weights off
     m = dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
     assert m["loss/updates"] == 2
     if d["rank"] == 0:
@@ -651,6 +684,9 @@ def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
     assert r["seeded_repeat"]  # seeded rollouts repeat exactly, across several prefill passes
     assert r["gap_stale"] > 0.1  # trainer moved, engine not yet pushed
     assert r["gap_pushed"] < 1e-3  # pushed: engine matches the trainer again
+    # temperature 0.7, top-p 0.9: the engine's log-probs are those it sampled with, the trainer's at 0.7
+    # renormalised over vLLM's nucleus; the trainer's alone differ by the nucleus mass (raw ones by far more)
+    assert r["gap_processed"] < 1e-3 and r["gap_without_nucleus"] > 0.02
 
 
 def test_tensor_parallel_engine_on_two_ranks(tiny_model, tmp_path):
@@ -685,6 +721,21 @@ def _worker_push(model_dir, out, tp):
         return (((logp - b["engine_logp"]).abs() * b["resp_mask"]).sum() / b["resp_mask"].sum()).item()
 
     result["gap_start"] = gap()
+    outs = dapo.generate(engine, prompts, 4, 12, 0.7, 0.9)
+    rows = [dict(s, prompt_ids=p, loss_mask=1.0, adv=0.0) for p, g in zip(prompts, outs) for s in g]
+    b = dapo.collate([[r] for r in rows], tok.pad_token_id, d["device"])
+    with torch.no_grad():
+        logp, _ = dapo.token_logp(model, b, 0.7, 7)
+        logits = model(input_ids=b["ids"], attention_mask=b["attn"], position_ids=b["pos"]).logits
+        logits = logits.flatten(0, 1)[b["src"]].float() / 0.7
+        low_first = logits.sort(-1).values  # vLLM's top-p: drop the least likely tokens while their mass <= 1 - p
+        drop = low_first.softmax(-1).cumsum(-1) <= 1 - 0.9
+        drop[:, -1] = False
+        log_mass = low_first.masked_fill(drop, -math.inf).logsumexp(-1) - logits.logsumexp(-1)
+    mask = b["resp_mask"].bool()
+    nucleus = logp - torch.zeros_like(logp).masked_scatter(mask, log_mass)
+    result["gap_processed"] = (nucleus - b["engine_logp"]).abs()[mask].mean().item()
+    result["gap_without_nucleus"] = (logp - b["engine_logp"]).abs()[mask].mean().item()
     examples = [dict(idx=i, prompt_ids=p, answer="1") for i, p in enumerate(prompts)]
     ecfg = dataclasses.replace(cfg, eval_k=3, out_dir=os.path.dirname(out))
     dapo.evaluate(ecfg, d, engine, tok, examples, 0)
@@ -868,7 +919,8 @@ def test_resume_on_another_world_size(tiny_model, tmp_path, worlds):
     2: every weight and every AdamW moment and step count equal the saved
     ones exactly (DCP reshards them), the step, data position and scheduler
     carry over, and each DP rank gets its own RNG stream. The bug: per-rank
-    RNG files (rng_rank1.pt missing) stopped a resume on another world size."""
+    RNG files (rng_rank1.pt missing) stopped a resume on another world size;
+    now no RNG state is saved (training draws none), each DP rank's re-derived."""
     saver, loader = worlds
     _torchrun(saver, __file__, "reshard", tiny_model, str(tmp_path), "save")
     _torchrun(loader, __file__, "reshard", tiny_model, str(tmp_path), "load")
@@ -996,6 +1048,22 @@ def test_check_fit_by_hand():
     for comment, model, n, world in (("one GPU (80 GB)", "qwen2.5-7b", n7, 1), ("one node (8 x 80 GB)", "qwen2.5-32b",
                                                                                 n32, 8)):
         assert fails(n, world, *_documented(comment, model, world)[:-2]) is None
+    assert fails(n7, 8, "--preset", "dapo_7b") is None  # no offload: 14.2 GiB of fp32 state beside the engine's 39.5
+
+
+def test_dapo_7b_preset_fits_one_node_and_its_window():
+    """--preset dapo_7b (Qwen2.5-Math-7B's config.json): prompt + response fit the model's 4,096 positions,
+    and on 8 x 80 GB it fits without optimizer offload, its host memory only the asleep engines' bf16
+    weights (8 x 2 bytes x 7.6B). The bug it guards against: a preset longer than its model's window, or one
+    that only fits with offload."""
+    cfg = dapo.parse_config(["--preset", "dapo_7b"])
+    window = json.load(open(os.path.join(ROOT, "data", "qwen2.5-math-7b", "config.json")))["max_position_embeddings"]
+    assert cfg.model == "Qwen/Qwen2.5-Math-7B" and cfg.max_prompt_len + cfg.max_response_len <= window == 4096
+    assert not cfg.offload_optimizer and cfg.rollout_tp == 1
+    p = _run(["--preset", "dapo_7b", "--model", os.path.join(ROOT, "data", "qwen2.5-math-7b"), "--estimate_memory", "8"])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["fits"] and out["peak_gib"] <= 80 and out["engine_kv_gib"] > 20 and out["params"] == 7615616512
+    assert out["host_gib_per_node"] == pytest.approx(8 * 2 * out["params"] / 2**30, abs=0.1)
 
 
 @pytest.mark.skipif(not os.environ.get("DAPO_SLOW_TESTS"), reason="the 32B simulation takes about 100 s on a "
@@ -1064,16 +1132,18 @@ def _metrics(out):
 KEYS = ["reward/accuracy", "loss/entropy", "rollout/response_len_mean", "rollout/response_len_max",
         "rollout/truncated_frac", "reward/overlong_penalty", "loss/clip_frac_low", "loss/clip_frac_high",
         "dynamic_sampling/rounds", "dynamic_sampling/kept_frac", "rollout/engine_logp_gap",
+        "rollout/is_weight_mean", "rollout/is_capped_frac",
         "loss/grad_norm", "loss/lr", "perf/rollout_s", "perf/old_logp_s", "perf/update_s", "perf/push_s",
         "perf/update_tokens_per_s", "perf/rollout_tokens_per_s", "perf/padding_frac"]
 
 
 @pytest.fixture(scope="module")
 def one_rank_run(tiny_model, tmp_path_factory):
-    """Two steps of dapo.py through vLLM under plain `python`, two updates a step."""
+    """Two steps of dapo.py through vLLM under plain `python`, two updates a step, truncated importance
+    sampling on, TensorBoard beside the JSONL."""
     out = tmp_path_factory.mktemp("one_rank")
     env = {k: v for k, v in _env().items() if k != "VLLM_LOGGING_LEVEL"}  # the user's default console
-    p = _run(_tiny_args(tiny_model, out), env=env)
+    p = _run(_tiny_args(tiny_model, out, "--rollout_is_cap", "2", "--report_to", "tensorboard"), env=env)
     return _metrics(out), out, p.stdout + p.stderr
 
 
@@ -1086,11 +1156,16 @@ def test_end_to_end_vllm_one_rank(one_rank_run):
     for m in ms:
         assert all(k in m for k in KEYS), sorted(set(KEYS) - set(m))
         assert m["rollout/engine_logp_gap"] < 1e-3  # fp32 engine: the pushed weights are used
+        assert abs(m["rollout/is_weight_mean"] - 1) < 1e-2 and m["rollout/is_capped_frac"] == 0  # so IS weights are 1
         assert m["perf/old_logp_s"] > 0 and m["loss/updates"] == 2 and m["loss/skipped_updates"] == 0
         assert 0.5 < m["loss/entropy"] < math.log(49152)  # a random model: high, but a distribution
         assert math.isfinite(m["loss/policy"]) and 0 <= m["loss/clip_frac_low"] + m["loss/clip_frac_high"] < 0.5
     assert ms[0]["loss/grad_norm"] > 0 and ms[0]["loss/policy"] != 0  # varied lengths: nonzero advantages
     assert json.load(open(out / "config.json"))["group_size"] == 4
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tensorboard")).Reload()  # every step's scalars reached the tracker
+    assert [(e.step, e.value) for e in events.Scalars("reward/accuracy")] == \
+        [(m["step"], pytest.approx(m["reward/accuracy"])) for m in ms]
     log = out / "metrics.jsonl"  # the run's last line: where its results are and how to draw them
     assert f"dapo: metrics {log}; last checkpoint none; figure: python data/plot_run.py {log}\n" in console
 
@@ -1223,7 +1298,7 @@ def test_save_over_a_stale_step_folder(tiny_model, tmp_path):
     stale.mkdir(parents=True)
     (stale / "junk").write_text("from an older run")
     _run(_tiny_args(tiny_model, tmp_path, "--resume", "true", "--steps", "1", "--save_every", "1"))
-    assert sorted(os.listdir(stale)) == ["dcp", "hf", "rng_rank0.pt", "trainer_state.json"]
+    assert sorted(os.listdir(stale)) == ["dcp", "hf", "trainer_state.json"]
     assert [m["step"] for m in _metrics(tmp_path)] == [1]
 
 
@@ -1239,8 +1314,96 @@ def test_eval_only_on_a_set_that_repeats_its_problems(tiny_model, tmp_path):
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert "96 rows, kept 32, dropped 64 repeated prompts" in p.stdout
     assert result["eval/problems"] == 32 and 0 <= result["eval/avg@2"] <= result["eval/pass@2"] <= 1
+    assert 0 <= result["eval/maj@2"] <= result["eval/pass@2"]
     lines = [json.loads(x) for x in (tmp_path / "eval_step000000.jsonl").read_text().splitlines()]
     assert sorted(r["idx"] for r in lines) == list(range(32)) and all(r["k"] == 2 for r in lines)
+
+
+def test_pass_at_k_and_majority_vote_hand_values():
+    """pass@k = 1 - C(n-c, k) / C(n, k): n 4, c 1, k 2 -> 1 - 3/6 = 0.5; c 0 -> 0; n - c < k -> 1; k 1 ->
+    c / n. maj: the most frequent answer, a tie to the one met first, None never votes. Guards against the
+    biased 1 - (1 - c/n)^k and a tie broken by dict or set order."""
+    assert dapo.pass_at_k(4, 1, 2) == pytest.approx(0.5) and dapo.pass_at_k(5, 0, 3) == 0
+    assert dapo.pass_at_k(4, 3, 2) == 1 and dapo.pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
+    assert dapo.pass_at_k(32, 4, 8) == pytest.approx(1 - math.comb(28, 8) / math.comb(32, 8))
+    assert dapo.majority_vote(["3", "5", "5", None, None, None]) == "5"
+    assert dapo.majority_vote(["4", "3", "3", "4"]) == "4" and dapo.majority_vote(["3", "4", "4", "3"]) == "3"
+    assert dapo.majority_vote([None, None]) is None
+    assert reward.final_answer("so... Answer: $5$", "answer") == "5" and reward.final_answer("no answer") is None
+
+
+def test_evaluate_avg_pass_maj_hand_values(one_rank, tmp_path, monkeypatch):
+    """evaluate() with scripted responses, k = 4, answers 5 and 3: problem A answers 3, 5, 5 and none
+    (2 correct, majority 5: right); problem B 4, 3, 3, 4 (2 correct, a tie to the first, 4: wrong).
+    avg@4 = 4/8, pass@2 = 1 - C(2,2)/C(4,2) = 5/6 each, pass@4 = 1, maj@4 = 1/2; verdicts in the file."""
+    texts = {0: ["Answer: 3", "Answer: 5", "Answer: 5", "I give up"], 1: ["Answer: 4", "Answer: 3", "Answer: 3", "Answer: 4"]}
+
+    class Tok:
+        def batch_decode(self, ids, skip_special_tokens):
+            return [texts[i // 10][i % 10] for [i] in ids]
+    monkeypatch.setattr(dapo, "generate", lambda engine, prompts, n, *a: [
+        [dict(ids=[10 * p[0] + j]) for j in range(n)] for p in prompts])
+    examples = [dict(idx=0, prompt_ids=[0], answer="5"), dict(idx=1, prompt_ids=[1], answer="3")]
+    cfg = dapo.Config(eval_k=4, reward_mode="answer", out_dir=str(tmp_path))
+    m = dapo.evaluate(cfg, one_rank, None, Tok(), examples, 7)
+    assert m == {"eval/avg@4": 0.5, "eval/maj@4": 0.5, "eval/pass@2": pytest.approx(5 / 6), "eval/pass@4": 1.0,
+                 "eval/problems": 2}
+    rows = [json.loads(x) for x in (tmp_path / "eval_step000007.jsonl").read_text().splitlines()]
+    assert [(r["correct"], r["maj_correct"]) for r in rows] == [(2, True), (2, False)]
+
+
+def _wandb_records(path):
+    """The protobuf records of an offline W&B run file: a 7-byte header, then LevelDB-log records (a 7-byte
+    header: crc, length, kind 1 full / 2 first / 3 middle / 4 last) in 32 KiB blocks."""
+    from wandb.proto import wandb_internal_pb2
+    raw, pos, part, records = open(path, "rb").read(), 7, b"", []
+    assert raw[:4] == b":W&B"
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        part, pos = part + raw[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(part))
+            part = b""
+    return records
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_report_to_writes_scalars_and_the_config(tracker, tmp_path, monkeypatch):
+    """--report_to tensorboard | wandb (offline, no network): two steps' scalars reach the tracker's own
+    files and read back with its own reader; lists such as data/prompt_idx are skipped; the config is
+    logged once; ranks other than 0 write nothing."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = dapo.Config(out_dir=str(tmp_path), report_to=tracker, lr=3e-6)
+    log, close = dapo.open_tracker(dataclasses.replace(cfg, out_dir=str(tmp_path / "rank1")), dict(rank=1))
+    log({"step": 1, "reward/accuracy": 0.5})
+    close()
+    assert not (tmp_path / "rank1").exists()
+    log, close = dapo.open_tracker(cfg, dict(rank=0))
+    for step, acc in ((1, 0.25), (2, 0.75)):
+        log({"step": step, "reward/accuracy": acc, "data/prompt_idx": [3, 1], "loss/skipped_updates": 0})
+    close()
+    if tracker == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+        assert [(e.step, e.value) for e in events.Scalars("reward/accuracy")] == [(1, 0.25), (2, 0.75)]
+        assert "data/prompt_idx" not in events.Tags()["scalars"]
+        config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+        assert json.loads(config)["lr"] == 3e-6
+    else:
+        [run_file] = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".wandb")]
+        records = _wandb_records(run_file)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+                   for r, k in zip(records, kinds) if k == "history"]
+        runs = [r.run for r, k in zip(records, kinds) if k == "run"]
+        assert len(runs) == 1, kinds
+        config = {i.key: json.loads(i.value_json) for i in runs[0].config.update}
+        assert [(h["_step"], h["reward/accuracy"]) for h in history] == [(1, 0.25), (2, 0.75)]
+        assert all("data/prompt_idx" not in h for h in history) and config["lr"] == 3e-6
 
 
 # --- dynamic sampling rounds, with a scripted sampler ---
@@ -1459,8 +1622,7 @@ def test_bad_config_values_fail_before_loading(flags, message):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--preset", "ppo"], "argument --preset: invalid choice: 'ppo' (choose from 'cpu', 'dapo', 'grpo', "
-                          "'grpo+clip_higher', 'grpo+overlong_filter', 'grpo+soft_overlong', 'grpo+token_level')"),
+    (["--preset", "ppo"], f"argument --preset: invalid choice: 'ppo' (choose from {str(sorted(dapo.PRESETS))[1:-1]})"),
     (["--preset", "dapo", "--eps_hi", "0.3"], "unrecognized arguments: --eps_hi 0.3"),  # no abbreviation match
     (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
     (["--bf16", "maybe"], "argument --bf16: invalid boolean value: 'maybe'"),
