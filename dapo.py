@@ -338,9 +338,8 @@ def take_prompts(examples, pos, n, seed):
 # --- Policy: built on meta, sharded with FSDP2, rank 0's checkpoint broadcast ---
 
 def load_policy(cfg, d):
-    """Tokenizer and the FSDP2-sharded fp32 policy. Every rank builds the model on the meta device, shards
-    it and allocates only its shards; rank 0 alone reads the checkpoint and set_model_state_dict broadcasts
-    it a tensor at a time. No rank ever holds a full fp32 copy (130 GB at 32B)."""
+    """Tokenizer and the FSDP2-sharded fp32 policy: every rank builds it on meta and allocates its shards; rank 0
+    alone reads the checkpoint, broadcast a tensor at a time. No rank holds a full fp32 copy (130 GB at 32B)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     if not os.path.isdir(cfg.model) and (cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1):
@@ -400,8 +399,7 @@ def shard(model, cfg, d, bf16_params=None):
 # --- Rollout (Algorithm 1, line 4): vLLM in the training process ---
 
 def make_engine(cfg, d):
-    """vLLM with external_launcher: the engine lives in this rank's process; the ranks of one TP group
-    form its tensor-parallel group. Started after sharding, so the trainer never held a full copy."""
+    """vLLM with external_launcher: an engine in this rank's process, tensor-parallel over its TP group's ranks."""
     from vllm import LLM
     kw = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30)) if cfg.engine_kv_cache_gb > 0 \
         else dict(gpu_memory_utilization=cfg.engine_mem)
@@ -684,7 +682,7 @@ def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_
     engine_logp: (N, T); adv: (N,). n_tokens, n_samples: the loss tokens and the samples with any, in the WHOLE
     mini-batch (all micro-batches and ranks): the shares of any split add up to the unsplit loss. is_cap > 0:
     truncated importance sampling (not in the paper): a token's loss weighs min(pi_old / pi_engine, is_cap).
-    Returns (loss, tokens clipped low, clipped high, sum of IS weights, tokens capped), of loss tokens."""
+    Returns (loss, sums over loss tokens: clipped low, clipped high, their pi_old, IS weights, capped ones)."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # Eq. 9's r; deviation from the paper (verl's): e^100 = inf
     a = adv[:, None]
     obj = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # Eq. 10, inside Eq. 8
@@ -698,10 +696,10 @@ def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_
     else:  # Eq. 5
         loss = (tok_loss.sum(1) / loss_mask.sum(1).clamp(min=1)).sum() / max(n_samples, 1)
     with torch.no_grad():
-        clip_low = ((ratio < 1 - eps_low) & (a < 0) & (loss_mask > 0)).sum().item()
-        clip_high = ((ratio > 1 + eps_high) & (a > 0) & (loss_mask > 0)).sum().item()
-        is_w, is_capped = (w * (loss_mask > 0)).sum().item(), ((log_w > log_cap) & (loss_mask > 0)).sum().item()
-    return loss, clip_low, clip_high, is_w, is_capped
+        on, high = loss_mask > 0, (ratio > 1 + eps_high) & (a > 0) & (loss_mask > 0)
+        return loss, dict(clip_low=((ratio < 1 - eps_low) & (a < 0) & on).sum().item(), clip_high=high.sum().item(),
+                          clip_high_p=(old_logp.exp() * high).sum().item(),  # Figure 3a: low-probability tokens
+                          is_w=(w * on).sum().item(), is_capped=((log_w > log_cap) & on).sum().item())
 
 
 # --- Update (lines 9-10): one AdamW step per mini-batch ---
@@ -717,13 +715,12 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
         old = logp.detach() if on_policy else torch.zeros_like(logp)
         for i, s in enumerate([] if on_policy else b["samples"]):
             old[i, :len(s["ids"])] = s["old_logp"]
-        loss, c_low, c_high, is_w, is_capped = policy_loss(
+        loss, stats = policy_loss(
             logp, old, b["adv"], loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
             dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"],
             n_samples=mb["n_samples"], engine_logp=b["engine_logp"], is_cap=cfg.rollout_is_cap)
         (loss * d["world"]).backward()  # FSDP2 averages over ranks; the loss is a global mean already: undo it
-        for k, v in (("loss", loss.item()), ("clip_low", c_low), ("clip_high", c_high), ("is_w", is_w),
-                     ("is_capped", is_capped), ("loss_tokens", loss_mask.gt(0).sum().item()),
+        for k, v in (("loss", loss.item()), *stats.items(), ("loss_tokens", loss_mask.gt(0).sum().item()),
                      ("entropy", (entropy * resp_mask).sum().item()),
                      ("gap", ((old - b["engine_logp"]).abs() * resp_mask).sum().item()),  # engine vs trainer
                      ("tokens", resp_mask.sum().item()), ("real", b["real"]), ("all", b["ids"].numel())):
@@ -731,8 +728,8 @@ def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
 
 
 def train_step(model, optim, plan, cfg, d, tok, bar=None):
-    """Old log-probs, then one clipped AdamW update per mini-batch (§4.1: 16). A non-finite gradient
-    norm skips its update. Line 9's mu iterations: one pass over the step's disjoint mini-batches."""
+    """Old log-probs, then one clipped AdamW update per mini-batch (§4.1: 16; line 9's mu iterations: one pass
+    over the step's disjoint mini-batches). A non-finite gradient norm skips its update."""
     t0 = time.time()
     if len(plan) > 1:
         progress(bar, "old log-probs")
@@ -753,6 +750,7 @@ def train_step(model, optim, plan, cfg, d, tok, bar=None):
             "loss/entropy": tot["entropy"] / max(tot["tokens"], 1),
             "loss/clip_frac_low": tot["clip_low"] / max(tot["loss_tokens"], 1),
             "loss/clip_frac_high": tot["clip_high"] / max(tot["loss_tokens"], 1),
+            "loss/clip_high_prob": tot["clip_high_p"] / max(tot["clip_high"], 1),  # mean pi_old of those (Fig. 3a)
             "loss/grad_norm": sum(grad_norms) / len(grad_norms), "grad_norms": grad_norms,
             "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
             "loss/updates": len(plan), "rollout/engine_logp_gap": tot["gap"] / max(tot["tokens"], 1),

@@ -256,9 +256,10 @@ def test_policy_loss_hand_values():
     old = torch.zeros(4, 1)
     adv = torch.tensor([1.0, -1.0, 2.0, -1.0])
     mask = torch.ones(4, 1)
-    loss, low, high, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, **LOSS, n_tokens=4, n_samples=4)
+    loss, st = dapo.policy_loss(ratio.log(), old, adv, mask, **LOSS, n_tokens=4, n_samples=4)
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 10) / 4, rel=1e-5)
-    assert (low, high) == (1, 1)  # ratio 0.5 with A < 0 clipped low, 1.5 with A > 0 high
+    assert (st["clip_low"], st["clip_high"]) == (1, 1)  # ratio 0.5 with A < 0 clipped low, 1.5 with A > 0 high
+    assert st["clip_high_p"] == pytest.approx(1.0)  # pi_old of the high-clipped token: exp(0)
     # without dual clip the last token's loss is 20
     loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, **dict(LOSS, dual_clip_c=0.0), n_tokens=4, n_samples=4)
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 20) / 4, rel=1e-5)
@@ -298,17 +299,14 @@ def test_truncated_importance_sampling_hand_values():
     engine = old - torch.tensor([[0.0, math.log(2), math.log(5), 9.0]])
     mask, adv = torch.tensor([[1.0, 1.0, 1.0, 0.0]]), torch.tensor([1.0])
     logp = old.clone().requires_grad_(True)
-    loss, _, _, w_sum, capped = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1,
-                                                 engine_logp=engine, is_cap=3.0)
+    loss, st = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=engine, is_cap=3.0)
     loss.backward()
-    assert loss.item() == pytest.approx(-2.0, rel=1e-6) and (w_sum, capped) == (pytest.approx(6.0), 1)
+    assert loss.item() == pytest.approx(-2.0, rel=1e-6) and (st["is_w"], st["is_capped"]) == (pytest.approx(6.0), 1)
     assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, -2 / 3, -1.0, 0.0]]))
-    off, _, _, w_off, capped_off = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1,
-                                                    engine_logp=engine)
-    assert off.item() == pytest.approx(-1.0) and (w_off, capped_off) == (pytest.approx(3.0), 0)
-    agree, _, _, w_agree, _ = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1,
-                                               engine_logp=old, is_cap=3.0)
-    assert agree.item() == off.item() and w_agree == pytest.approx(3.0)
+    off, st = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=engine)
+    assert off.item() == pytest.approx(-1.0) and (st["is_w"], st["is_capped"]) == (pytest.approx(3.0), 0)
+    agree, st = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=old, is_cap=3.0)
+    assert agree.item() == off.item() and st["is_w"] == pytest.approx(3.0)
 
 
 def test_token_level_vs_sample_level_hand_values():
