@@ -945,19 +945,26 @@ def _equal_states(a, b):
                                           for k in a)
 
 
-def _worker_reshard(model_dir, folder, phase):
-    cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
-                      activation_checkpointing=False, out_dir=folder, **FEW_RANKS)
-    d = dapo.init_distributed(cfg)
+def _save_or_load(cfg, d, phase):
+    """The policy, AdamW and a scheduler; "save": one step of two updates (so AdamW state exists), then the
+    checkpoint of step 1; "load": that checkpoint read back. Returns (model, optim, sched, loaded state)."""
     tok, model = dapo.load_policy(cfg, d)
     optim = dapo.make_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5)
-    if phase == "save":  # one step of two updates: AdamW state exists
+    sched, state = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5), None
+    if phase == "save":
         dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
         sched.step()
         dapo.save_checkpoint(cfg, d, model, optim, sched, tok, dict(step=1, data_pos=8), hf=False)
     else:
-        state = dapo.load_checkpoint(os.path.join(folder, "ckpt", "step_000001"), d, model, optim, sched, cfg.seed)
+        state = dapo.load_checkpoint(os.path.join(cfg.out_dir, "ckpt", "step_000001"), d, model, optim, sched, cfg.seed)
+    return model, optim, sched, state
+
+
+def _worker_reshard(model_dir, folder, phase):
+    cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
+                      activation_checkpointing=False, out_dir=folder, **FEW_RANKS)
+    d = dapo.init_distributed(cfg)
+    model, optim, sched, state = _save_or_load(cfg, d, phase)
     flat = _flat_state(model, optim)
     draws = [None] * d["world"]
     torch.distributed.all_gather_object(draws, (random.random(), torch.rand(1).item()))
@@ -1922,16 +1929,7 @@ def _worker_cuda(check, model_dir, out):
             c = dataclasses.replace(cfg, offload_optimizer=offload, out_dir=os.path.join(cfg.out_dir, str(offload)))
             flat = {}
             for phase in ("save", "load"):
-                tok, model = dapo.load_policy(c, d)
-                optim = dapo.make_optimizer(model, c)
-                sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5)
-                if phase == "save":  # one step of two updates: AdamW state exists
-                    dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), c, d), c, d, tok)
-                    sched.step()
-                    dapo.save_checkpoint(c, d, model, optim, sched, tok, dict(step=1, data_pos=8), hf=False)
-                else:
-                    state = dapo.load_checkpoint(os.path.join(c.out_dir, "ckpt", "step_000001"), d, model, optim,
-                                                 sched, c.seed)
+                model, optim, _, state = _save_or_load(c, d, phase)
                 flat[phase] = _flat_state(model, optim)
             r[str(offload)] = dict(equal=_equal_states(flat["save"], flat["load"]), state=state,
                                    n_tensors=sum(torch.is_tensor(v) for v in flat["load"].values()),
