@@ -54,7 +54,6 @@ import logging
 import math
 import os
 import random
-import resource
 import shutil
 import signal
 import subprocess
@@ -1142,6 +1141,7 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
     try:
         while state["step"] < cfg.steps:  # line 1
             step, t_step = state["step"] + 1, time.time()
+            open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM: perf/peak_rss_gb is the step's peak
             # Lines 2-7, labelled in collect_groups: prompts, G samples each, rewards, Eq. 11, until B groups.
             kept, metrics, state["data_pos"] = collect_groups(cfg, d, train_set, state["data_pos"], rollout, score, bar)
             metrics.update(step=step, **{"loss/lr": sched.get_last_lr()[0]})
@@ -1170,7 +1170,7 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
                 save_checkpoint(cfg, d, model, optim, sched, tok, state,
                                 hf=cfg.hf_export == "every" or step == cfg.steps or stopping)
             metrics["perf/step_s"] = time.time() - t_step
-            metrics["perf/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB
+            metrics["perf/peak_rss_gb"] = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 2**20
             if d["device"].type == "cpu":  # the heap's free pages back to the OS between steps (cpu_setup)
                 getattr(ctypes.CDLL(None), "malloc_trim", lambda pad: 0)(0)
             metrics["perf/rss_gb"] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30

@@ -50,7 +50,7 @@ def summary(folder):
 def memory(folder):
     """The memory profile: peak and end-of-step resident memory (GiB) of 10-step runs, by step."""
     rows = [f"Memory, `{os.path.relpath(folder, os.path.dirname(os.path.dirname(HERE)))}/`:", "",
-            "| run | peak RSS after steps 1, 2, 5, 10 | resident at the end of steps 1, 2, 5, 10 | median step s |",
+            "| run | perf/peak_rss_gb at steps 1, 2, 5, 10 | resident at the end of steps 1, 2, 5, 10 | median step s |",
             "|" + " --- |" * 4]
     for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
         ms = {m["step"]: m for m in load(path)}
