@@ -260,8 +260,7 @@ def gather_dp(obj, d):
 # --- Data: rows -> (prompt token ids, ground truth) ---
 
 def parse_row(row, where):
-    """The DAPO-Math-17k shape or a plain {"prompt": str, "answer": str} -> (chat messages, ground truth).
-    Bad data ends the run with one line: `where` (the file and its line or row) and the field."""
+    """DAPO-Math-17k's row or {"prompt": str, "answer": str} -> (chat messages, ground truth); bad: one line."""
     prompt, rm = (row.get("prompt"), row.get("reward_model")) if isinstance(row, dict) else (None, None)
     if prompt is None:
         raise SystemExit(f"dapo: {where}: missing field 'prompt'")
@@ -840,7 +839,7 @@ def evaluate(cfg, d, engine, tok, examples, step):
 # --- Checkpoints: write to a temporary folder, rename when complete ---
 
 def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
-    """Sharded DCP state (what resume reads); if hf, a bf16 Hugging Face folder (what users load), via rank 0."""
+    """Sharded DCP state (what resume reads); if hf, a Hugging Face folder (what users load) via rank 0."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     root, name = os.path.join(cfg.out_dir, "ckpt"), f"step_{state['step']:06d}"
@@ -850,10 +849,12 @@ def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
         os.makedirs(tmp)
     dist.barrier()
     if hf:
-        full = {k: v for k, v in full_params(model, torch.bfloat16, d["device"], "cpu") if d["rank"] == 0}
+        dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # the run's: bf16 would round an fp32 run's updates away
+        full = {k: v for k, v in full_params(model, dtype, d["device"], "cpu") if d["rank"] == 0}
         if d["rank"] == 0:
-            model.config.dtype = torch.bfloat16  # the folder's dtype, for transformers and vLLM
             model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full)
+            model.config.dtype = dtype  # save_pretrained wrote the fp32 master's dtype: the folder's, for vLLM
+            model.config.save_pretrained(os.path.join(tmp, "hf"))
             tok.save_pretrained(os.path.join(tmp, "hf"))
         del full
     _fault_point("save", state["step"])
@@ -882,8 +883,7 @@ def load_checkpoint(path, d, model, optim, sched, seed):
     msd, osd = get_state_dict(model, optim)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        state = json.load(f)
+    state = json.loads(open(os.path.join(path, "trainer_state.json")).read())
     sched.load_state_dict(state.pop("scheduler"))
     # DCP reshards to any world size. Training draws no random numbers (rollouts are seeded per prompt), so the
     # RNG is re-derived, not saved: one stream per DP rank from (seed, step, dp_rank) (ints hash alike anywhere)
@@ -1016,7 +1016,7 @@ def progress(bar, text):
 
 
 def quiet_libraries(cfg):
-    """vLLM and transformers log per weight and push: dapo's lines and the bar, unless --verbose or VLLM_LOGGING_LEVEL."""
+    """vLLM and transformers log per weight and push: dapo's lines and bar, unless --verbose or VLLM_LOGGING_LEVEL."""
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # token_logp slices its output, in place never
     if cfg.verbose:
         return
@@ -1173,7 +1173,7 @@ def train(cfg, d, tok, model, engine, train_set, eval_set):
             metrics["perf/peak_rss_gb"] = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 2**20
             if d["device"].type == "cpu":  # the heap's free pages back to the OS between steps (cpu_setup)
                 getattr(ctypes.CDLL(None), "malloc_trim", lambda pad: 0)(0)
-            metrics["perf/rss_gb"] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+            metrics["perf/rss_gb"] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGESIZE") / 2**30
             log_metrics(cfg, d, metrics, bar, track)
             if stopping:
                 if d["rank"] == 0:
