@@ -505,7 +505,7 @@ def test_shared_prompt_rows_match_one_row_per_sample(tiny_model, token_level):
     that lets a response see its group's other responses is shown to differ."""
     model, plan, whole = _reference(tiny_model, token_level)
     cfg = dapo.Config(bf16=False, token_level_loss=token_level, share_prompt=True, micro_batch_tokens=28,
-                      logp_chunk_tokens=5)
+                      logp_chunk_tokens=5, rollout_is_cap=IS_CAP)
     groups = _grad_rows()
     samples = [s for g in groups for s in g["samples"]]
     _set_old_logp(model, samples)  # the reference's old log-probs (they depend on the sample only)
