@@ -90,4 +90,4 @@ if __name__ == "__main__":
                 print(memory(os.path.join(os.path.dirname(folder), "memory")) + "\n")
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ablation"))
         import plot  # data/ablation/plot.py: Table 1 at CPU scale
-        print(plot.table(plot.load()))
+        print(plot.table(plot.load(plot.HERE)))
