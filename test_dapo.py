@@ -976,6 +976,7 @@ def _worker_reshard(model_dir, folder, phase):
         with open(os.path.join(folder, "reshard.json"), "w") as f:
             json.dump(dict(equal=equal, n_tensors=sum(torch.is_tensor(v) for v in flat.values()), state=state,
                            lr=sched.get_last_lr()[0], draws=draws), f)
+    torch.distributed.barrier()  # no rank tears down while another still gathers or writes (an abort at exit)
     torch.distributed.destroy_process_group()
 
 
