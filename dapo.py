@@ -133,7 +133,7 @@ class Config:
     eval_top_p: float = opt(0.7, "eval top-p (§4.1: 0.7)")
     # checkpoints, logging, planning
     save_every: int = opt(50, "checkpoint every N steps and at the end; 0 = never (Ctrl-C always saves)")
-    hf_export: str = opt("end", "bf16 HF folder in 'every' checkpoint or the 'end' one (and at Ctrl-C)")
+    hf_export: str = opt("end", "HF folder (the run's dtype) in 'every' checkpoint or the 'end' one (and at Ctrl-C)")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
     report_to: str = opt("none", "also log to 'wandb' or 'tensorboard' (rank 0; metrics.jsonl always)")
