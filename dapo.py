@@ -23,11 +23,9 @@ Also from the released recipe: dual-clip (c = 10) for negative advantages. Beyon
 pass over the step's disjoint mini-batches, one AdamW update each (§4.1: 16). `--preset` names Table 1's rows.
 
 Where this file differs from the released recipe, and why:
-1. Dynamic sampling that hits its round cap warns and trains on the groups it has (the
-   recipe's original run raised; verl 0.9.1 does not); the learning-rate schedule still advances.
-2. Eq. 12's token mean is over the whole mini-batch (all micro-batches and ranks), so every token
-   of an update weighs the same however it is split. Eq. 12 as printed normalises per group inside
-   the expectation; the recipe's original run, per micro-batch (verl 0.9.1: per mini-batch, as here).
+1. Dynamic sampling at its round cap warns and trains on the groups it has (the original run raised).
+2. Eq. 12's token mean spans the whole mini-batch (all micro-batches and ranks), so a token weighs the same
+   however an update is split (as printed: per group; the original run: per micro-batch; verl 0.9.1: as here).
 3. The warm-up is linear in rollout steps, from lr/warmup_steps to lr.
 4. Prompts longer than max_prompt_len are dropped, not truncated.
 5. Repeated prompts are dropped (the hub copies repeat each ~100x, AIME's 32x).
@@ -62,7 +60,9 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's per-connection lines; read at import
+for k, v in dict(TORCH_CPP_LOG_LEVEL="ERROR",  # gloo's per-connection lines, read at import; on CPU, oneDNN's and
+                 ONEDNN_PRIMITIVE_CACHE_CAPACITY="128", LRU_CACHE_CAPACITY="128").items():  # ideep's kernels per
+    os.environ.setdefault(k, v)  # shape: 1,024 each by default, they grew the heap 50-70 MB a step (README)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
