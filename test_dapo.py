@@ -978,6 +978,8 @@ def _worker_reshard(model_dir, folder, phase):
                            lr=sched.get_last_lr()[0], draws=draws), f)
     torch.distributed.barrier()  # no rank tears down while another still gathers or writes (an abort at exit)
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()  # past here only interpreter teardown, where gloo's threads aborted 1 run in ~16 under load
+    os._exit(0)  # ('terminate called without an active exception'): not what this test checks; skip it
 
 
 QWEN_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,

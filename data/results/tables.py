@@ -1,6 +1,6 @@
 """The README's results tables, in markdown, from the committed runs under data/results/<cpu-kind>/.
 
-    python data/results/tables.py                     # the results table (README, "Results"), then Table 1 at CPU scale
+    python data/results/tables.py                     # the results tables (README, "Results"), then Table 1 at CPU scale
     python data/results/tables.py RUN.jsonl           # one run, step by step
 
 Each <cpu-kind>/ folder holds the runs' metrics JSONL (one line per step, written by dapo.py) and command.txt:
@@ -47,6 +47,29 @@ def summary(folder):
     return "\n".join(rows)
 
 
+def seeds(folder):
+    """Runs named NAME_s<seed>.jsonl, mean ± sd over their seeds (README, "The CPU demo")."""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*_s[0-9]*.jsonl"))):
+        runs.setdefault(os.path.basename(path).rsplit("_s", 1)[0], []).append(load(path))
+    if not runs:
+        return ""
+
+    def ms(xs):
+        return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0:.3f}"
+    rows = [f"Mean ± sd over seeds, `{os.path.relpath(folder, os.path.dirname(os.path.dirname(HERE)))}/`:", "",
+            "| runs | seeds | accuracy, first 5 steps | last 5 steps | eval avg@k, last eval | steps with high clip > 0 "
+            "| median step s |", "|" + " --- |" * 7]
+    for name, rs in runs.items():
+        acc = [[m["reward/accuracy"] for m in r] for r in rs]
+        last_eval = [[v for m in r for k, v in m.items() if k.startswith("eval/avg@")][-1] for r in rs]
+        rows.append(f"| `{name}_s*` | {len(rs)} | {ms([statistics.mean(a[:5]) for a in acc])} "
+                    f"| {ms([statistics.mean(a[-5:]) for a in acc])} | {ms(last_eval)} "
+                    f"| {', '.join(str(sum(m.get('loss/clip_frac_high', 0) > 0 for m in r)) for r in rs)} of "
+                    f"{len(rs[0])} | {statistics.median(m['perf/step_s'] for r in rs for m in r):.1f} |")
+    return "\n".join(rows)
+
+
 def memory(folder):
     """The memory profile: peak and end-of-step resident memory (GiB) of 10-step runs, by step."""
     rows = [f"Memory, `{os.path.relpath(folder, os.path.dirname(os.path.dirname(HERE)))}/`:", "",
@@ -87,6 +110,8 @@ if __name__ == "__main__":
     else:
         for folder in sorted(glob.glob(os.path.join(HERE, "*", "command.txt"))):
             print(summary(os.path.dirname(folder)) + "\n")
+            if seeds(os.path.dirname(folder)):
+                print(seeds(os.path.dirname(folder)) + "\n")
             if os.path.isdir(os.path.join(os.path.dirname(folder), "memory")):
                 print(memory(os.path.join(os.path.dirname(folder), "memory")) + "\n")
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ablation"))
