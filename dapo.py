@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 for k, v in dict(TORCH_CPP_LOG_LEVEL="ERROR",  # gloo's per-connection lines, read at import; on CPU, oneDNN's and
                  ONEDNN_PRIMITIVE_CACHE_CAPACITY="128", LRU_CACHE_CAPACITY="128").items():  # ideep's kernels per
-    os.environ.setdefault(k, v)  # shape: 1,024 each by default, they grew the heap 50-70 MB a step (README)
+    os.environ.setdefault(k, v)  # shape: 1,024 each by default, they grew the heap 60-130 MB a step (README)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 

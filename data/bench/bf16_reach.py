@@ -1,4 +1,4 @@
-"""How long a bf16 checkpoint's weights take to show an update in bf16 compute (README, "bf16 on a CPU").
+"""How long a bf16 checkpoint's weights take to show an update in bf16 compute (README, "Why bf16 needs the dither").
 
 An fp32 master weight upcast from a bf16 checkpoint sits exactly on the bf16 grid; bf16 compute and a
 bf16 engine see it move only once it has drifted half a bf16 ulp. AdamW moves a weight by at most

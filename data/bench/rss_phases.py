@@ -1,4 +1,4 @@
-"""Where a CPU run's resident memory goes, phase by phase and step by step (README, "Memory on a CPU").
+"""Where a CPU run's resident memory goes, phase by phase and step by step (README, "Memory from step to step").
 
 Runs dapo.main with the given flags while a thread samples, every 25 ms, the process's resident memory and
 glibc's heap counters (mallinfo2: bytes in use and bytes free inside the heap). Each sample is tagged with the
