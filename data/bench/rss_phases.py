@@ -9,7 +9,6 @@ resident memory that grows while the heap in use does not is memory freed inside
 
     python data/bench/rss_phases.py OUT.jsonl --train_data data/demo_train_template.jsonl ... --steps 10
 """
-import ctypes
 import json
 import os
 import sys
@@ -20,16 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import dapo  # noqa: E402
+from shape_caches import libc  # noqa: E402  glibc, its mallinfo2 returning the struct
 
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
 PAGE, GiB = os.sysconf("SC_PAGESIZE"), 2 ** 30
 state = dict(step=1, phase="other")
 peaks = {}  # (step, phase) -> {rss, heap_used, heap_free, mmapped}
