@@ -48,10 +48,11 @@ if __name__ == "__main__":
     cfg, d, tok, model, train_set, eval_set, engine = dapo.start(cfg)
     optim, score = dapo.make_optimizer(model, cfg), functools.partial(dapo.score_groups, tok=tok, cfg=cfg)
     steps = []
+    n, g = cfg.prompts_per_step, cfg.group_size
     for i in range(5):
-        prompts = dapo.take_prompts(train_set, i * 8, 8, cfg.seed)
-        samples = dapo.generate(engine, [p["prompt_ids"] for p in prompts], 8, 64, 1.0, 1.0,
-                                [p["pos"] * 8 for p in prompts])
+        prompts = dapo.take_prompts(train_set, i * n, n, cfg.seed)
+        samples = dapo.generate(engine, [p["prompt_ids"] for p in prompts], g, cfg.max_response_len,
+                                cfg.temperature, cfg.top_p, [p["pos"] * g for p in prompts])
         steps.append(dapo.prepare_samples(score(prompts, samples), cfg))
     report("after 5 rollouts")
     for tag, groups in [(f"update {i} (new shapes)", g) for i, g in enumerate(steps)] + \

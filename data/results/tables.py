@@ -110,8 +110,9 @@ if __name__ == "__main__":
     else:
         for folder in sorted(glob.glob(os.path.join(HERE, "*", "command.txt"))):
             print(summary(os.path.dirname(folder)) + "\n")
-            if seeds(os.path.dirname(folder)):
-                print(seeds(os.path.dirname(folder)) + "\n")
+            by_seed = seeds(os.path.dirname(folder))
+            if by_seed:
+                print(by_seed + "\n")
             if os.path.isdir(os.path.join(os.path.dirname(folder), "memory")):
                 print(memory(os.path.join(os.path.dirname(folder), "memory")) + "\n")
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ablation"))
