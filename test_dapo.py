@@ -1,6 +1,8 @@
 """Tests for dapo.py and reward.py. Run: python -m pytest -q test_dapo.py"""
+
 import random
 import re
+import signal
 import time
 
 import pytest
@@ -11,13 +13,61 @@ import reward
 # reward.py: the paper's answer check (shared/reward-spec.md)
 # =============================================================================
 
-SPEC_SUBSTITUTIONS = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
-                      ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}")]
-SPEC_REMOVED = ["square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
-                "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
-                "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-                "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}",
-                "\\;", ",\\!", "{,}", '"', "\\dots"]
+SPEC_SUBSTITUTIONS = [
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+]
+SPEC_REMOVED = [
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
+]
 
 
 def _spec_normalize(s):
@@ -66,39 +116,39 @@ def test_reward_consequences_table(response, gt, score):
 
 
 NORMALIZE_CASES = [  # one per rule of spec step 3
-    ("x=y=7", "7"),                         # 3.1 text after the last `=`
-    ("an apple", "apple"),                  # 3.2 "an " dropped
-    ("a b", "b"),                           # 3.2 "a " dropped
-    ("5.$", "5"),                           # 3.2 ".$" -> "$", then `$` removed
-    ("\\$5", "5"),                          # 3.2 "\$" dropped
-    ("1\\ 2", "12"),                        # 3.2 "\ " dropped
-    ("1 2", "12"),                          # 3.2 spaces dropped
-    ("\\mbox{cat}", "cat"),                 # 3.2 mbox -> text, then unwrapped
-    ("x,\\text{and}y", "x,y"),              # 3.2 ",\text{and}" -> ","
-    ("x\\text{and}y", "x,y"),               # 3.2 "\text{and}" -> ","
-    ("1\\text{and}2", "12"),                # 3.2 then 3.8: "1,2" is all digits
-    ("5\\text{m}", "5"),                    # 3.2 \text{m} -> \text{} -> removed
-    ("12 square feet", "12"),               # 3.3 units removed after spaces
-    ("5 \\ldots", "5"),                     # 3.3 \ldots
-    ("90^\\circ", "90"),                    # 3.3 ^\circ
-    ("90^{\\circ}", "90"),                  # 3.3 ^{\circ}
-    ('"7"', "7"),                           # 3.3 double quotes
-    ("1{,}000", "1000"),                    # 3.3 {,}
-    ("3\\text{s}", "3"),                    # 3.3 \text{s}
-    ("sue", ""),                            # 3.3 quirk: "sue" is a removed word
-    ("pre $x$ post $y$", "x"),              # 3.4 first $ pair only
-    ("\\text{hi}", "hi"),                   # 3.5 \text{} unwrapped
-    ("\\textbf{7}", "7"),                   # 3.5 \textbf{}
-    ("\\overline{12}", "12"),               # 3.5 \overline{}
+    ("x=y=7", "7"),  # 3.1 text after the last `=`
+    ("an apple", "apple"),  # 3.2 "an " dropped
+    ("a b", "b"),  # 3.2 "a " dropped
+    ("5.$", "5"),  # 3.2 ".$" -> "$", then `$` removed
+    ("\\$5", "5"),  # 3.2 "\$" dropped
+    ("1\\ 2", "12"),  # 3.2 "\ " dropped
+    ("1 2", "12"),  # 3.2 spaces dropped
+    ("\\mbox{cat}", "cat"),  # 3.2 mbox -> text, then unwrapped
+    ("x,\\text{and}y", "x,y"),  # 3.2 ",\text{and}" -> ","
+    ("x\\text{and}y", "x,y"),  # 3.2 "\text{and}" -> ","
+    ("1\\text{and}2", "12"),  # 3.2 then 3.8: "1,2" is all digits
+    ("5\\text{m}", "5"),  # 3.2 \text{m} -> \text{} -> removed
+    ("12 square feet", "12"),  # 3.3 units removed after spaces
+    ("5 \\ldots", "5"),  # 3.3 \ldots
+    ("90^\\circ", "90"),  # 3.3 ^\circ
+    ("90^{\\circ}", "90"),  # 3.3 ^{\circ}
+    ('"7"', "7"),  # 3.3 double quotes
+    ("1{,}000", "1000"),  # 3.3 {,}
+    ("3\\text{s}", "3"),  # 3.3 \text{s}
+    ("sue", ""),  # 3.3 quirk: "sue" is a removed word
+    ("pre $x$ post $y$", "x"),  # 3.4 first $ pair only
+    ("\\text{hi}", "hi"),  # 3.5 \text{} unwrapped
+    ("\\textbf{7}", "7"),  # 3.5 \textbf{}
+    ("\\overline{12}", "12"),  # 3.5 \overline{}
     ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # 3.5 \boxed: longest run
-    ("\\frac12", "\\frac{1}{2}"),           # 3.6 frac shorthand
-    ("\\sqrt2", "\\sqrt{2}"),               # 3.6 sqrt shorthand
-    ("\\frac{1}{2}", "\\frac{1}{2}"),       # 3.6 already braced: untouched
-    ("$5$", "5"),                           # 3.7 `$` removed
-    ("1,234,567", "1234567"),               # 3.8 digit commas removed
-    ("1,2a", "1,2a"),                       # 3.8 not all digits: commas stay
-    ("  8  ", "8"),                         # 3.9 stripped (spaces go in 3.2)
-    ("\t8\n", "8"),                         # 3.9 other whitespace stripped
+    ("\\frac12", "\\frac{1}{2}"),  # 3.6 frac shorthand
+    ("\\sqrt2", "\\sqrt{2}"),  # 3.6 sqrt shorthand
+    ("\\frac{1}{2}", "\\frac{1}{2}"),  # 3.6 already braced: untouched
+    ("$5$", "5"),  # 3.7 `$` removed
+    ("1,234,567", "1234567"),  # 3.8 digit commas removed
+    ("1,2a", "1,2a"),  # 3.8 not all digits: commas stay
+    ("  8  ", "8"),  # 3.9 stripped (spaces go in 3.2)
+    ("\t8\n", "8"),  # 3.9 other whitespace stripped
 ]
 
 
@@ -126,22 +176,56 @@ def test_normalize_matches_naive_regexes_on_random_strings():
     re.sub chain's result on every string, newlines and odd braces included.
     Guards against a 'faster' rewrite that changes a verdict."""
     rng = random.Random(0)
-    atoms = ["$", "{", "}", "\\text{", "\\textbf{", "\\overline{", "\\boxed{",
-             "frac", "sqrt", "\n", " ", ",", "=", "1", "2", "x", "a ", "an ",
-             "\\", ".", "degrees", "\\text{}", "^\\circ", "\\!", "\r"]
+    atoms = [
+        "$",
+        "{",
+        "}",
+        "\\text{",
+        "\\textbf{",
+        "\\overline{",
+        "\\boxed{",
+        "frac",
+        "sqrt",
+        "\n",
+        " ",
+        ",",
+        "=",
+        "1",
+        "2",
+        "x",
+        "a ",
+        "an ",
+        "\\",
+        ".",
+        "degrees",
+        "\\text{}",
+        "^\\circ",
+        "\\!",
+        "\r",
+    ]
     for _ in range(20000):
         s = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 14)))
         assert reward.normalize(s) == _spec_normalize(s), repr(s)
 
 
 ADVERSARIAL = [  # (response, its score against ground truth "5")
-    ("", -1.0), (" ", -1.0), ("\n\n\t", -1.0), ("x" * 1_000_000, -1.0),
-    ("Answer: 5" + "é" * 1_000_000, -1.0), ("é" * 1_000_000 + "Answer: 5", 1.0),
-    ("Answer: 😀", -1.0), ("Answer: 5\x00", -1.0), ("Answer: 5\r\n", 1.0),
-    ("{" * 50_000 + "}" * 50_000, -1.0), ("Answer: " * 100_000, -1.0),
-    ("\\boxed{" * 50_000, -1.0), ("$" * 100_000, -1.0),
-    ("frac" * 100_000, -1.0), ("\\text{" * 100_000, -1.0),
-    ("Answer: \ud800", -1.0), ("Answer: ５", -1.0),
+    ("", -1.0),
+    (" ", -1.0),
+    ("\n\n\t", -1.0),
+    ("x" * 1_000_000, -1.0),
+    ("Answer: 5" + "é" * 1_000_000, -1.0),
+    ("é" * 1_000_000 + "Answer: 5", 1.0),
+    ("Answer: 😀", -1.0),
+    ("Answer: 5\x00", -1.0),
+    ("Answer: 5\r\n", 1.0),
+    ("{" * 50_000 + "}" * 50_000, -1.0),
+    ("Answer: " * 100_000, -1.0),
+    ("\\boxed{" * 50_000, -1.0),
+    ("$" * 100_000, -1.0),
+    ("frac" * 100_000, -1.0),
+    ("\\text{" * 100_000, -1.0),
+    ("Answer: \ud800", -1.0),
+    ("Answer: ５", -1.0),
 ]
 
 
@@ -258,13 +342,20 @@ def test_policy_loss_hand_values():
     mask = torch.ones(4, 1)
     loss, st = dapo.policy_loss(ratio.log(), old, adv, mask, **LOSS, n_tokens=4, n_samples=4)
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 10) / 4, rel=1e-5)
-    assert (st["clip_low"], st["clip_high"]) == (1, 1)  # ratio 0.5 with A < 0 clipped low, 1.5 with A > 0 high
+    assert (st["clip_low"], st["clip_high"]) == (
+        1,
+        1,
+    )  # ratio 0.5 with A < 0 clipped low, 1.5 with A > 0 high
     assert st["clip_high_p"] == pytest.approx(1.0)  # pi_old of the high-clipped token: exp(0)
     # without dual clip the last token's loss is 20
-    loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, **dict(LOSS, dual_clip_c=0.0), n_tokens=4, n_samples=4)
+    loss, *_ = dapo.policy_loss(
+        ratio.log(), old, adv, mask, **dict(LOSS, dual_clip_c=0.0), n_tokens=4, n_samples=4
+    )
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 2 + 20) / 4, rel=1e-5)
     # symmetric clip (Clip-Higher off): the first token is capped at 1.2
-    loss, *_ = dapo.policy_loss(ratio.log(), old, adv, mask, **dict(LOSS, eps_high=0.2), n_tokens=4, n_samples=4)
+    loss, *_ = dapo.policy_loss(
+        ratio.log(), old, adv, mask, **dict(LOSS, eps_high=0.2), n_tokens=4, n_samples=4
+    )
     assert loss.item() == pytest.approx((-1.2 + 0.8 - 2 + 10) / 4, rel=1e-5)
 
 
@@ -275,13 +366,24 @@ def test_extreme_log_ratio_is_clamped_before_exp(dtype, adv):
     gradient, equal to those with that token at the clamp, 20. The bug: exp(100)
     is inf in fp32 and bf16, the gradient gets a NaN, and check_finite throws
     the whole update away for one token."""
+
     def loss_and_grad(extreme):
-        logp = torch.tensor([[0.1, extreme, -0.2], [0.3, -0.1, 0.05]], dtype=dtype, requires_grad=True)
+        logp = torch.tensor(
+            [[0.1, extreme, -0.2], [0.3, -0.1, 0.05]], dtype=dtype, requires_grad=True
+        )
         old = torch.zeros(2, 3, dtype=dtype)
-        loss, *_ = dapo.policy_loss(logp, old, torch.tensor([adv, -0.5], dtype=dtype), torch.ones(2, 3, dtype=dtype),
-                                    **LOSS, n_tokens=6, n_samples=2)
+        loss, *_ = dapo.policy_loss(
+            logp,
+            old,
+            torch.tensor([adv, -0.5], dtype=dtype),
+            torch.ones(2, 3, dtype=dtype),
+            **LOSS,
+            n_tokens=6,
+            n_samples=2,
+        )
         loss.backward()
         return loss.detach(), logp.grad
+
     loss, grad = loss_and_grad(100.0)
     at_clamp_loss, at_clamp_grad = loss_and_grad(20.0)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -290,22 +392,35 @@ def test_extreme_log_ratio_is_clamped_before_exp(dtype, adv):
 
 
 def test_truncated_importance_sampling_hand_values():
-    """--rollout_is_cap 3, one sample of 4 tokens at ratio 1, A = +1, the engine's log-probs below the
-    trainer's by 0, log 2, log 5 and 9 (the last token masked): weights 1, 2, min(5, 3) = 3 -> loss
-    -(1 + 2 + 3) / 3 = -2, gradient -w / 3 per token (the weight has no gradient), weight sum 6, 1 token
-    capped (the masked one is not counted). When engine and trainer agree the weights are 1 and the loss is
-    the one without correction. Guards against an uncapped, inverted or differentiated weight."""
+    """--rollout_is_cap 3, one sample of 4 tokens at ratio 1, A = +1, the engine's log-probs below
+    the trainer's by 0, log 2, log 5 and 9 (the last token masked): weights 1, 2, min(5, 3) = 3 ->
+    loss -(1 + 2 + 3) / 3 = -2, gradient -w / 3 per token (the weight has no gradient), weight sum
+    6, 1 token capped (the masked one is not counted). When engine and trainer agree the weights are
+    1 and the loss is the one without correction. Guards against an uncapped, inverted or
+    differentiated weight."""
     old = torch.tensor([[-1.0, -2.0, -0.5, -1.0]])
     engine = old - torch.tensor([[0.0, math.log(2), math.log(5), 9.0]])
     mask, adv = torch.tensor([[1.0, 1.0, 1.0, 0.0]]), torch.tensor([1.0])
     logp = old.clone().requires_grad_(True)
-    loss, st = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=engine, is_cap=3.0)
+    loss, st = dapo.policy_loss(
+        logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=engine, is_cap=3.0
+    )
     loss.backward()
-    assert loss.item() == pytest.approx(-2.0, rel=1e-6) and (st["is_w"], st["is_capped"]) == (pytest.approx(6.0), 1)
+    assert loss.item() == pytest.approx(-2.0, rel=1e-6) and (st["is_w"], st["is_capped"]) == (
+        pytest.approx(6.0),
+        1,
+    )
     assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, -2 / 3, -1.0, 0.0]]))
-    off, st = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=engine)
-    assert off.item() == pytest.approx(-1.0) and (st["is_w"], st["is_capped"]) == (pytest.approx(3.0), 0)
-    agree, st = dapo.policy_loss(logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=old, is_cap=3.0)
+    off, st = dapo.policy_loss(
+        logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=engine
+    )
+    assert off.item() == pytest.approx(-1.0) and (st["is_w"], st["is_capped"]) == (
+        pytest.approx(3.0),
+        0,
+    )
+    agree, st = dapo.policy_loss(
+        logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=old, is_cap=3.0
+    )
     assert agree.item() == off.item() and st["is_w"] == pytest.approx(3.0)
 
 
@@ -317,23 +432,32 @@ def test_token_level_vs_sample_level_hand_values():
     mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
     adv = torch.tensor([1.0, -1.0])
     tok, *_ = dapo.policy_loss(logp, logp, adv, mask, **LOSS, n_tokens=4, n_samples=2)
-    smp, *_ = dapo.policy_loss(logp, logp, adv, mask, **dict(LOSS, token_level=False), n_tokens=4, n_samples=2)
+    smp, *_ = dapo.policy_loss(
+        logp, logp, adv, mask, **dict(LOSS, token_level=False), n_tokens=4, n_samples=2
+    )
     assert tok.item() == pytest.approx(0.5)
     assert smp.item() == pytest.approx(0.0)
 
 
 def test_bf16_dither_keeps_bf16_values_and_shows_small_updates():
     """fp32 master weights loaded from a bf16 checkpoint sit on the bf16 grid, so bf16 compute (and
-    the bf16 engine) sees no update smaller than half an ulp: the bug that made the CPU demo learn half
-    as fast in bf16. After dither_bf16_ every bf16 value is unchanged (powers of two and zeros too) and
-    an update of 0.1 ulp moves 1 weight in 10 by one ulp: the bf16 values move by the update in mean."""
+    the bf16 engine) sees no update smaller than half an ulp: the bug that made the CPU demo learn
+    half as fast in bf16. After dither_bf16_ every bf16 value is unchanged (powers of two and zeros
+    too) and an update of 0.1 ulp moves 1 weight in 10 by one ulp: the bf16 values move by the
+    update in mean."""
     torch.manual_seed(0)
-    ckpt = torch.cat([torch.randn(200_000) * 0.05, torch.tensor([0.0, 1.0, -0.5, 2.0 ** -10])]).bfloat16().float()
+    ckpt = (
+        torch.cat([torch.randn(200_000) * 0.05, torch.tensor([0.0, 1.0, -0.5, 2.0**-10])])
+        .bfloat16()
+        .float()
+    )
     _, e = torch.frexp(ckpt)
     ulp = torch.ldexp(torch.ones_like(ckpt), e - 8)  # of |x| in [2^(e-1), 2^e): bf16 keeps 8 bits
     x = ckpt.clone()
     dapo.dither_bf16_(x)
-    assert torch.equal(x.bfloat16().float(), ckpt)  # the policy bf16 compute sees is the checkpoint's
+    assert torch.equal(
+        x.bfloat16().float(), ckpt
+    )  # the policy bf16 compute sees is the checkpoint's
     assert x[-4] == 0 and (x - ckpt).abs().max() > 0
     assert ((x - ckpt).abs() < ulp / 2).all()
     nz = ckpt != 0
@@ -341,35 +465,57 @@ def test_bf16_dither_keeps_bf16_values_and_shows_small_updates():
     undithered = (ckpt[nz] + step).bfloat16().float() - ckpt[nz]
     assert undithered.abs().max() == 0  # the dead zone: nothing moves
     moved = (x[nz] + step).bfloat16().float() - ckpt[nz]
-    assert ((moved == 0) | (moved > 0) & (moved <= ulp[nz])).all()  # up one cell (a smaller one below -2^k), or not
-    assert (moved / step).mean().item() == pytest.approx(1.0, abs=0.03)  # unbiased: 10% of them by 1 ulp
+    assert (
+        (moved == 0) | (moved > 0) & (moved <= ulp[nz])
+    ).all()  # up one cell (a smaller one below -2^k), or not
+    assert (moved / step).mean().item() == pytest.approx(
+        1.0, abs=0.03
+    )  # unbiased: 10% of them by 1 ulp
 
 
 # --- a tiny random Llama with SmolLM2's tokenizer, built once per session ---
+
 
 @pytest.fixture(scope="session")
 def tiny_model():
     """Hugging Face folder of a 2-layer Llama (vLLM loads it too)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     dapo.ensure_demo_model(dapo.PRESETS["cpu"]["model"])  # converts the shipped GGUF once
     path = os.path.join(ROOT, "models", "tiny-llama")
     if not os.path.exists(os.path.join(path, "config.json")):
         tok = AutoTokenizer.from_pretrained(dapo.PRESETS["cpu"]["model"])
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # TP 2 divides them
-                          max_position_embeddings=1024, tie_word_embeddings=True,
-                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id)
+        cfg = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,  # TP 2 divides them
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).eval()
         # The EOS row along a prompt's mean last hidden state: about half the
         # responses stop within 16 tokens, at varied lengths, so advantages vary
         # (measured with the demo's prompts: 47% stop, lengths 1 to 16).
-        prompt = tok.apply_chat_template([{"role": "system", "content": ""},
-                                          {"role": "user", "content": "What is 18 + 14?"}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        prompt = tok.apply_chat_template(
+            [{"role": "system", "content": ""}, {"role": "user", "content": "What is 18 + 14?"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
         with torch.no_grad():
-            h = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0].mean(0)
+            h = (
+                model(torch.tensor([prompt]), output_hidden_states=True)
+                .hidden_states[-1][0]
+                .mean(0)
+            )
             model.model.embed_tokens.weight[tok.eos_token_id] = 0.9 * h / h.norm()
         model.save_pretrained(path + ".tmp")
         tok.save_pretrained(path + ".tmp")
@@ -378,14 +524,20 @@ def tiny_model():
 
 
 def test_load_policy_dithers_only_when_asked(tiny_model, tmp_path, one_rank):
-    """load_policy on a bf16 checkpoint: with bf16_dither the fp32 master differs from the checkpoint
-    while its bf16 rounding equals it; without, the master is the checkpoint exactly (the paper's runs)."""
+    """load_policy on a bf16 checkpoint: with bf16_dither the fp32 master differs from the
+    checkpoint while its bf16 rounding equals it; without, the master is the checkpoint exactly (the
+    paper's runs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path)
-    ckpt = {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(tmp_path).state_dict().items()}
+    ckpt = {
+        k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(tmp_path).state_dict().items()
+    }
     for dither in (False, True):
-        cfg = dapo.Config(model=str(tmp_path), bf16=True, bf16_dither=dither, activation_checkpointing=False)
+        cfg = dapo.Config(
+            model=str(tmp_path), bf16=True, bf16_dither=dither, activation_checkpointing=False
+        )
         _, model = dapo.load_policy(cfg, one_rank)
         got = {k: v.full_tensor() for k, v in model.state_dict().items() if k in ckpt}
         assert all(torch.equal(got[k].bfloat16().float(), ckpt[k]) for k in got)
@@ -403,9 +555,16 @@ def _grad_rows():
         for si in range(4):
             n = int(torch.randint(2, 14, (1,), generator=g))
             ids = torch.randint(10, 1000, (n,), generator=g).tolist()
-            samples.append(dict(ids=ids, prompt_ids=prompt, adv=float(torch.randn(1, generator=g)),
-                                loss_mask=0.0 if (gi, si) == (1, 2) else 1.0,
-                                engine_logp=[0.0] * n, finish="stop"))
+            samples.append(
+                dict(
+                    ids=ids,
+                    prompt_ids=prompt,
+                    adv=float(torch.randn(1, generator=g)),
+                    loss_mask=0.0 if (gi, si) == (1, 2) else 1.0,
+                    engine_logp=[0.0] * n,
+                    finish="stop",
+                )
+            )
         groups.append(dict(idx=gi, prompt_ids=prompt, samples=samples))
     return groups
 
@@ -413,8 +572,11 @@ def _grad_rows():
 def _unsplit_plan(groups):
     """One micro-batch of one row per sample."""
     rows = [s for g in groups for s in g["samples"]]
-    return dict(micro=[[[r] for r in rows]], n_tokens=sum(r["loss_mask"] * len(r["ids"]) for r in rows),
-                n_samples=sum(r["loss_mask"] > 0 for r in rows))
+    return dict(
+        micro=[[[r] for r in rows]],
+        n_tokens=sum(r["loss_mask"] * len(r["ids"]) for r in rows),
+        n_samples=sum(r["loss_mask"] > 0 for r in rows),
+    )
 
 
 # old_logp = current logp + one of these per token: ratios 0.67, 0.90, 1.11, 1.49, 13.5, so
@@ -430,21 +592,45 @@ def _set_old_logp(model, rows, bf16=False):
     the rows (it depends on the row only). Returns how many loss tokens take each
     branch of the loss."""
     d = dict(device=torch.device("cpu"))
-    branches = dict(unclipped_pos=0, unclipped_neg=0, clip_high=0, clip_low=0, dual_clip=0, is_capped=0)
+    branches = dict(
+        unclipped_pos=0, unclipped_neg=0, clip_high=0, clip_low=0, dual_clip=0, is_capped=0
+    )
     for r in rows:
         with torch.no_grad(), dapo.cpu_autocast(dapo.Config(bf16=bf16), d):
             logp, _ = dapo.token_logp(model, dapo.collate([[r]], 0, d["device"]), 1.0, 4096)
-        shift = torch.tensor([SHIFTS[(sum(r["ids"]) + t) % len(SHIFTS)] for t in range(len(r["ids"]))])
+        shift = torch.tensor(
+            [SHIFTS[(sum(r["ids"]) + t) % len(SHIFTS)] for t in range(len(r["ids"]))]
+        )
         r["old_logp"] = logp[0] + shift
-        is_shift = torch.tensor([IS_SHIFTS[(sum(r["ids"]) + 2 * t) % len(IS_SHIFTS)] for t in range(len(r["ids"]))])
-        r["engine_logp"] = (r["old_logp"] - is_shift).tolist()  # the engine sampled from a slightly other policy
+        is_shift = torch.tensor(
+            [IS_SHIFTS[(sum(r["ids"]) + 2 * t) % len(IS_SHIFTS)] for t in range(len(r["ids"]))]
+        )
+        r["engine_logp"] = (
+            r["old_logp"] - is_shift
+        ).tolist()  # the engine sampled from a slightly other policy
         branches["is_capped"] += int((is_shift.exp() > IS_CAP).sum()) * (r["loss_mask"] > 0)
         for s in shift.tolist():
             ratio, a = math.exp(-s), r["adv"]
-            key = ("clip_high" if ratio > 1.28 else "unclipped_pos") if a > 0 else \
-                ("dual_clip" if ratio > 10 else "clip_low" if ratio < 0.8 else "unclipped_neg")
+            key = (
+                ("clip_high" if ratio > 1.28 else "unclipped_pos")
+                if a > 0
+                else ("dual_clip" if ratio > 10 else "clip_low" if ratio < 0.8 else "unclipped_neg")
+            )
             branches[key] += r["loss_mask"] > 0
     return branches
+
+
+def _train_step(model, optim, plan, cfg, d, tok):
+    """The update of one dapo.train step (lines 9-10) on a plan: old log-probs when there are
+    several updates, one clipped AdamW step per mini-batch, the step's loss/ logs."""
+    if len(plan) > 1:
+        dapo.old_log_probs(model, plan, cfg, d, tok.pad_token_id)
+    sums, grad_norms, metrics = {}, [], {"perf/update_s": 1.0}
+    for mini_batch in plan:
+        dapo.accumulate_grads(model, mini_batch, cfg, d, tok.pad_token_id, sums, len(plan) == 1)
+        grad_norms.append(dapo.clip_and_step(model, optim, cfg))
+    metrics.update(dapo.update_metrics(sums, grad_norms, metrics, d))
+    return dict(metrics, grad_norms=grad_norms)
 
 
 def _grads(model, plan, cfg, world=1):
@@ -462,16 +648,23 @@ def _rel_err(a, b):
 def _reference(model_dir, token_level, bf16=False):
     """The unsplit gradient on 1 rank, 1 micro-batch, the LM head in one chunk."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     plan = _unsplit_plan(_grad_rows())
     branches = _set_old_logp(model, [row[0] for row in plan["micro"][0]], bf16)
     assert all(n > 0 for n in branches.values()), branches  # every branch is compared
-    return model, plan, _grads(model, plan, dapo.Config(bf16=bf16, token_level_loss=token_level,
-                                                        rollout_is_cap=IS_CAP))
+    return (
+        model,
+        plan,
+        _grads(
+            model, plan, dapo.Config(bf16=bf16, token_level_loss=token_level, rollout_is_cap=IS_CAP)
+        ),
+    )
 
 
 # How far a split gradient may be from the unsplit one: fp32 summation order; in bf16 autocast the
-# matmuls round to bf16 and micro-batches of other shapes round differently (a wrong denominator is O(1)).
+# matmuls round to bf16 and micro-batches of other shapes round differently (a wrong denominator is
+# O(1)).
 SPLIT_TOL = {False: 1e-5, True: 2e-2}
 
 
@@ -485,13 +678,25 @@ def test_micro_batch_split_matches_unsplit(tiny_model, token_level, bf16):
     normalisation (the bug in several frameworks) is shown to differ by more
     than the tolerance, so the comparison can catch it."""
     model, plan, whole = _reference(tiny_model, token_level, bf16)
-    cfg = dapo.Config(bf16=bf16, token_level_loss=token_level, logp_chunk_tokens=5, rollout_is_cap=IS_CAP)
+    cfg = dapo.Config(
+        bf16=bf16, token_level_loss=token_level, logp_chunk_tokens=5, rollout_is_cap=IS_CAP
+    )
     rows = plan["micro"][0]
     plan["micro"] = [rows[0:2], rows[2:7], rows[7:8], rows[8:]]
     print(f"split vs unsplit, bf16={bf16}: rel err {_rel_err(_grads(model, plan, cfg), whole):.2e}")
     assert _rel_err(_grads(model, plan, cfg), whole) < SPLIT_TOL[bf16]
-    parts = [_grads(model, dict(micro=[r], n_tokens=sum(x["loss_mask"] * len(x["ids"]) for [x] in r),
-                                n_samples=sum(x["loss_mask"] > 0 for [x] in r)), cfg) for r in plan["micro"]]
+    parts = [
+        _grads(
+            model,
+            dict(
+                micro=[r],
+                n_tokens=sum(x["loss_mask"] * len(x["ids"]) for [x] in r),
+                n_samples=sum(x["loss_mask"] > 0 for [x] in r),
+            ),
+            cfg,
+        )
+        for r in plan["micro"]
+    ]
     wrong = {k: sum(p[k] for p in parts) / len(parts) for k in whole}  # each micro-batch by itself
     print(f"per-micro-batch normalisation, bf16={bf16}: rel err {_rel_err(wrong, whole):.2e}")
     assert _rel_err(wrong, whole) > 10 * SPLIT_TOL[bf16]
@@ -504,8 +709,14 @@ def test_shared_prompt_rows_match_one_row_per_sample(tiny_model, token_level):
     with groups split over rows and micro-batches (a 28-token budget). A mask
     that lets a response see its group's other responses is shown to differ."""
     model, plan, whole = _reference(tiny_model, token_level)
-    cfg = dapo.Config(bf16=False, token_level_loss=token_level, share_prompt=True, micro_batch_tokens=28,
-                      logp_chunk_tokens=5, rollout_is_cap=IS_CAP)
+    cfg = dapo.Config(
+        bf16=False,
+        token_level_loss=token_level,
+        share_prompt=True,
+        micro_batch_tokens=28,
+        logp_chunk_tokens=5,
+        rollout_is_cap=IS_CAP,
+    )
     groups = _grad_rows()
     samples = [s for g in groups for s in g["samples"]]
     _set_old_logp(model, samples)  # the reference's old log-probs (they depend on the sample only)
@@ -520,10 +731,15 @@ def test_shared_prompt_rows_match_one_row_per_sample(tiny_model, token_level):
     assert b["attn"].dim() == 4
     with torch.no_grad():
         logp = dapo.token_logp(model, b, 1.0, 0)[0]
-        alone = [dapo.token_logp(model, dapo.collate([[s]], 0, torch.device("cpu")), 1.0, 0)[0][0]
-                 for row in rows for s in row]
-        assert all(torch.allclose(logp[i, :len(a)], a, atol=1e-5) for i, a in enumerate(alone))
-        L = b["ids"].shape[1]  # plain causal + padding mask: responses see their group's earlier ones
+        alone = [
+            dapo.token_logp(model, dapo.collate([[s]], 0, torch.device("cpu")), 1.0, 0)[0][0]
+            for row in rows
+            for s in row
+        ]
+        assert all(torch.allclose(logp[i, : len(a)], a, atol=1e-5) for i, a in enumerate(alone))
+        L = b["ids"].shape[
+            1
+        ]  # plain causal + padding mask: responses see their group's earlier ones
         causal = torch.ones(L, L, dtype=torch.bool).tril() & (b["ids"] != 0)[:, None, None, :]
         wrong = dapo.token_logp(model, dict(b, attn=causal), 1.0, 0)[0]
         assert (wrong - logp).abs().max() > 1e-3
@@ -536,11 +752,26 @@ def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
     temperature 0.7, for a chunk that divides the 2 x 10 tokens, one that does
     not, one larger than all of them, and 0 (no chunks, no recomputation)."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     ids = torch.randint(10, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     attn, pos = torch.ones_like(ids), torch.arange(16).expand(2, 16)
-    b = dapo.collate([[dict(prompt_ids=r[:6].tolist(), ids=r[6:].tolist(), loss_mask=1.0, adv=0.0,
-                            engine_logp=[0.0] * 10)] for r in ids], 0, torch.device("cpu"))
+    b = dapo.collate(
+        [
+            [
+                dict(
+                    prompt_ids=r[:6].tolist(),
+                    ids=r[6:].tolist(),
+                    loss_mask=1.0,
+                    adv=0.0,
+                    engine_logp=[0.0] * 10,
+                )
+            ]
+            for r in ids
+        ],
+        0,
+        torch.device("cpu"),
+    )
     assert torch.equal(b["ids"], ids)
     weight = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
 
@@ -560,32 +791,49 @@ def test_chunked_lm_head_matches_full_logits(tiny_model, chunk):
     assert _rel_err(grads_of(logp), ref) < 1e-5  # fp32 summation order; a wrong boundary is O(1)
 
 
-FEW_RANKS = dict(rollout_tp=1, offload_optimizer=False)  # the defaults fit 8 GPUs (TP 4, offload); 1-2 CPU ranks
+FEW_RANKS = dict(
+    rollout_tp=1, offload_optimizer=False
+)  # the defaults fit 8 GPUs (TP 4, offload); 1-2 CPU ranks
 
 
 def _env():
     """Subprocess environment: no torchrun variables leaking in, quiet vLLM."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DAPO_FAULT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DAPO_FAULT")
+    }
     env.update(VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     return env
 
 
 def _console_env():
-    """The user's default console: dapo.py's own quiet logging, not the tests' VLLM_LOGGING_LEVEL."""
+    """The user's default console: dapo.py's own quiet logging, not the tests'
+    VLLM_LOGGING_LEVEL."""
     return {k: v for k, v in _env().items() if k != "VLLM_LOGGING_LEVEL"}
 
 
 def _torchrun(n, *args, timeout=300, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-           "--master_port", str(_free_port()), *args]
-    p = subprocess.run(cmd, env=env or _env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(n),
+        "--master_port",
+        str(_free_port()),
+        *args,
+    ]
+    p = subprocess.run(
+        cmd, env=env or _env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
 
 
 def _free_port():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -596,9 +844,11 @@ def _hand_loss(groups, mini_batch_prompts):
     token-level mean of -A."""
     losses = []
     for m in range(0, len(groups), mini_batch_prompts):
-        rows = [s for g in groups[m:m + mini_batch_prompts] for s in g["samples"]]
-        losses.append(-sum(r["loss_mask"] * r["adv"] * len(r["ids"]) for r in rows)
-                      / sum(r["loss_mask"] * len(r["ids"]) for r in rows))
+        rows = [s for g in groups[m : m + mini_batch_prompts] for s in g["samples"]]
+        losses.append(
+            -sum(r["loss_mask"] * r["adv"] * len(r["ids"]) for r in rows)
+            / sum(r["loss_mask"] * len(r["ids"]) for r in rows)
+        )
     return sum(losses) / len(losses)
 
 
@@ -621,15 +871,26 @@ def test_two_ranks_match_one_rank(tiny_model, tmp_path, token_level):
 
 
 def _worker_grads(model_dir, out, token_level):
-    cfg = dapo.Config(model=model_dir, bf16=False, token_level_loss=bool(int(token_level)), micro_batch_tokens=60,
-                      logp_chunk_tokens=3, activation_checkpointing=False, mini_batch_prompts=2, **FEW_RANKS,
-                      rollout_is_cap=IS_CAP)
+    cfg = dapo.Config(
+        model=model_dir,
+        bf16=False,
+        token_level_loss=bool(int(token_level)),
+        micro_batch_tokens=60,
+        logp_chunk_tokens=3,
+        activation_checkpointing=False,
+        mini_batch_prompts=2,
+        **FEW_RANKS,
+        rollout_is_cap=IS_CAP,
+    )
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
     from transformers import AutoModelForCausalLM
+
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    assert all(torch.equal(full[n], p) for n, p in plain.named_parameters())  # rank 0's weights, exactly
+    assert all(
+        torch.equal(full[n], p) for n, p in plain.named_parameters()
+    )  # rank 0's weights, exactly
     groups = _grad_rows()
     _set_old_logp(plain, [s for g in groups for s in g["samples"]])  # as the reference does
     plan = dapo.plan_updates(groups, dataclasses.replace(cfg, mini_batch_prompts=3), d)
@@ -640,10 +901,13 @@ def _worker_grads(model_dir, out, token_level):
     # loss/policy over 2 updates (mini-batches of 2 groups and 1) with lr 0: the ratio stays 1
     optim = torch.optim.AdamW(model.parameters(), lr=0.0)
     cfg = dataclasses.replace(cfg, rollout_is_cap=0.0)  # _grad_rows' engine_logp are 0: weights off
-    m = dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
+    m = _train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
     assert m["loss/updates"] == 2
     if d["rank"] == 0:
-        torch.save(dict(grads=grads, micro_per_rank=len(plan[0]["micro"]), loss_policy=m["loss/policy"]), out)
+        torch.save(
+            dict(grads=grads, micro_per_rank=len(plan[0]["micro"]), loss_policy=m["loss/policy"]),
+            out,
+        )
     torch.distributed.destroy_process_group()
 
 
@@ -652,16 +916,20 @@ def test_loss_metric_is_the_mean_per_update(tiny_model):
     so the ratio is 1) equals the hand-computed mean per update, on 1 rank
     (the 2-rank value is checked in test_two_ranks_match_one_rank)."""
     import torch.distributed as dist
+
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     d = dict(world=1, rank=0, tp=1, dp_rank=0, n_dp=1, device=torch.device("cpu"))
     for mbp in (3, 2):
         cfg = dapo.Config(bf16=False, mini_batch_prompts=mbp)
         optim = torch.optim.AdamW(model.parameters(), lr=0.0)
-        m = dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
+        m = _train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
         assert m["loss/updates"] == (1 if mbp == 3 else 2)
         assert m["loss/policy"] == pytest.approx(_hand_loss(_grad_rows(), mbp), rel=1e-4)
     assert _hand_loss(_grad_rows(), 2) != pytest.approx(_hand_loss(_grad_rows(), 3), rel=1e-3)
@@ -682,8 +950,10 @@ def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
     assert r["seeded_repeat"]  # seeded rollouts repeat exactly, across several prefill passes
     assert r["gap_stale"] > 0.1  # trainer moved, engine not yet pushed
     assert r["gap_pushed"] < 1e-3  # pushed: engine matches the trainer again
-    # temperature 0.7, top-p 0.9: the engine's log-probs are those it sampled with, the trainer's at 0.7
-    # renormalised over vLLM's nucleus; the trainer's alone differ by the nucleus mass (raw ones by far more)
+    # temperature 0.7, top-p 0.9: the engine's log-probs are those it sampled with, the trainer's at
+    # 0.7
+    # renormalised over vLLM's nucleus; the trainer's alone differ by the nucleus mass (raw ones by
+    # far more)
     assert r["gap_processed"] < 1e-3 and r["gap_without_nucleus"] > 0.02
 
 
@@ -699,8 +969,15 @@ def test_tensor_parallel_engine_on_two_ranks(tiny_model, tmp_path):
 
 
 def _worker_push(model_dir, out, tp):
-    cfg = dapo.Config(model=model_dir, bf16=False, engine_kv_cache_gb=0.25, max_prompt_len=64,
-                      max_response_len=16, rollout_tp=int(tp), offload_optimizer=False)
+    cfg = dapo.Config(
+        model=model_dir,
+        bf16=False,
+        engine_kv_cache_gb=0.25,
+        max_prompt_len=64,
+        max_response_len=16,
+        rollout_tp=int(tp),
+        offload_optimizer=False,
+    )
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
     engine = dapo.make_engine(cfg, d)
@@ -712,11 +989,15 @@ def _worker_push(model_dir, out, tp):
         everyone = [None] * d["world"]
         torch.distributed.all_gather_object(everyone, outs)
         result["same_samples_on_tp_ranks"] = all(o == everyone[0] for o in everyone)
-        rows = [dict(s, prompt_ids=p, loss_mask=1.0, adv=0.0) for p, g in zip(prompts, outs) for s in g]
+        rows = [
+            dict(s, prompt_ids=p, loss_mask=1.0, adv=0.0) for p, g in zip(prompts, outs) for s in g
+        ]
         b = dapo.collate([[r] for r in rows], tok.pad_token_id, d["device"])
         with torch.no_grad():
             logp, _ = dapo.token_logp(model, b, 1.0, 7)
-        return (((logp - b["engine_logp"]).abs() * b["resp_mask"]).sum() / b["resp_mask"].sum()).item()
+        return (
+            ((logp - b["engine_logp"]).abs() * b["resp_mask"]).sum() / b["resp_mask"].sum()
+        ).item()
 
     result["gap_start"] = gap()
     outs = dapo.generate(engine, prompts, 4, 12, 0.7, 0.9)
@@ -726,7 +1007,9 @@ def _worker_push(model_dir, out, tp):
         logp, _ = dapo.token_logp(model, b, 0.7, 7)
         logits = model(input_ids=b["ids"], attention_mask=b["attn"], position_ids=b["pos"]).logits
         logits = logits.flatten(0, 1)[b["src"]].float() / 0.7
-        low_first = logits.sort(-1).values  # vLLM's top-p: drop the least likely tokens while their mass <= 1 - p
+        low_first = logits.sort(
+            -1
+        ).values  # vLLM's top-p: drop the least likely tokens while their mass <= 1 - p
         drop = low_first.softmax(-1).cumsum(-1) <= 1 - 0.9
         drop[:, -1] = False
         log_mass = low_first.masked_fill(drop, -math.inf).logsumexp(-1) - logits.logsumexp(-1)
@@ -739,10 +1022,14 @@ def _worker_push(model_dir, out, tp):
     dapo.evaluate(ecfg, d, engine, tok, examples, 0)
     gap()  # unseeded sampling in between moves the engine's own generator
     dapo.evaluate(ecfg, d, engine, tok, examples, 1)
-    evals = [open(os.path.join(ecfg.out_dir, f"eval_step{s:06d}.jsonl")).read() for s in (0, 1)] \
-        if d["rank"] == 0 else [None, None]
+    evals = (
+        [open(os.path.join(ecfg.out_dir, f"eval_step{s:06d}.jsonl")).read() for s in (0, 1)]
+        if d["rank"] == 0
+        else [None, None]
+    )
     result["eval_repeats"] = evals[0] == evals[1]
-    # seeded samples of more prompt tokens than one prefill pass takes (4,096): a split prompt rewinds
+    # seeded samples of more prompt tokens than one prefill pass takes (4,096): a split prompt
+    # rewinds
     # its seeded generator, which only CUDA generators can (vLLM on CPU raised)
     long_prompts = [[10 + (i * 7 + t) % 500 for t in range(50)] for i in range(40)]
     seeds = [1000 * i for i in range(40)]
@@ -781,14 +1068,24 @@ def _worker_threads(model_dir, out):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             os.cpu_count = lambda: 8
+
     vllm.LLM = LLM
-    cfg = dapo.Config(model=model_dir, bf16=False, engine_kv_cache_gb=0.25, max_prompt_len=64, max_response_len=16,
-                      **FEW_RANKS)
+    cfg = dapo.Config(
+        model=model_dir,
+        bf16=False,
+        engine_kv_cache_gb=0.25,
+        max_prompt_len=64,
+        max_response_len=16,
+        **FEW_RANKS,
+    )
     d = dapo.init_distributed(cfg)
     before = torch.get_num_threads()
     engine = dapo.make_engine(cfg, d)
-    mine = dict(before=before, after=torch.get_num_threads(),
-                generated=len(dapo.generate(engine, [[1, 2, 3]], 2, 4, 1.0, 1.0)[0]) == 2)
+    mine = dict(
+        before=before,
+        after=torch.get_num_threads(),
+        generated=len(dapo.generate(engine, [[1, 2, 3]], 2, 4, 1.0, 1.0)[0]) == 2,
+    )
     everyone = [None] * d["world"]
     torch.distributed.all_gather_object(everyone, mine)
     if d["rank"] == 0:
@@ -807,10 +1104,18 @@ def wide_model(tiny_model):
     """A 67M-parameter model (270 MB in fp32) of many equal layers, so that no
     single tensor is large: what a rank holds while loading shows clearly."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     path = os.path.join(ROOT, "models", "wide-llama")
     if not os.path.exists(os.path.join(path, "config.json")):
-        cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=2048, num_hidden_layers=16,
-                          num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            vocab_size=1024,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+        )
         torch.manual_seed(0)
         LlamaForCausalLM(cfg).save_pretrained(path + ".tmp")
         AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path + ".tmp")
@@ -836,9 +1141,12 @@ def test_sharded_load_from_rank0_matches_checkpoint(tiny_model, wide_model, tmp_
 
 def _worker_load(tiny_dir, model_dir, out):
     from safetensors.torch import load_file
+
     cfg = dapo.Config(model=model_dir, bf16=False, activation_checkpointing=False, **FEW_RANKS)
     d = dapo.init_distributed(cfg)
-    dapo.load_policy(dataclasses.replace(cfg, model=tiny_dir), d)  # imports and lazy modules, not measured
+    dapo.load_policy(
+        dataclasses.replace(cfg, model=tiny_dir), d
+    )  # imports and lazy modules, not measured
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets this process's peak resident memory (VmHWM)
     before = _rss_mb("VmRSS")
@@ -850,14 +1158,22 @@ def _worker_load(tiny_dir, model_dir, out):
     if d["rank"] == 0:
         ckpt = load_file(os.path.join(model_dir, "model.safetensors"))
         from transformers import AutoModelForCausalLM
+
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         ids = torch.randint(0, 1024, (2, 12))
         with torch.no_grad():
             diff = (model(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max().item()
         with open(out, "w") as f:
-            json.dump(dict(equal=sorted(full) == sorted(ckpt) and all(torch.equal(full[k], ckpt[k]) for k in ckpt),
-                           logits_max_diff=diff, grown_mb=everyone,
-                           model_mb=sum(t.numel() * 4 for t in ckpt.values()) / 2**20), f)
+            json.dump(
+                dict(
+                    equal=sorted(full) == sorted(ckpt)
+                    and all(torch.equal(full[k], ckpt[k]) for k in ckpt),
+                    logits_max_diff=diff,
+                    grown_mb=everyone,
+                    model_mb=sum(t.numel() * 4 for t in ckpt.values()) / 2**20,
+                ),
+                f,
+            )
     else:
         with torch.no_grad():
             model(input_ids=torch.randint(0, 1024, (2, 12)))  # FSDP2's forward is collective
@@ -880,34 +1196,61 @@ def test_optimizer_offload_matches_no_offload(tiny_model, tmp_path):
 
 
 def _worker_offload(model_dir, out):
-    cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
-                      activation_checkpointing=False, **FEW_RANKS)
+    cfg = dapo.Config(
+        model=model_dir,
+        bf16=False,
+        micro_batch_tokens=60,
+        mini_batch_prompts=2,
+        lr=1e-3,
+        activation_checkpointing=False,
+        **FEW_RANKS,
+    )
     d = dapo.init_distributed(cfg)
     final, updates = {}, 0
     for offload in (False, True):
         c = dataclasses.replace(cfg, offload_optimizer=offload)
         tok, model = dapo.load_policy(c, d)
         start = {n: t.clone() for n, t in dapo.full_params(model, torch.float32, "cpu")}
-        optim = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=c.weight_decay, fused=True)
+        optim = torch.optim.AdamW(
+            model.parameters(), lr=c.lr, weight_decay=c.weight_decay, fused=True
+        )
         for _ in range(2):
             groups = _grad_rows()
-            updates += dapo.train_step(model, optim, dapo.plan_updates(groups, c, d), c, d, tok)["loss/updates"]
+            updates += _train_step(model, optim, dapo.plan_updates(groups, c, d), c, d, tok)[
+                "loss/updates"
+            ]
         final[offload] = dict(dapo.full_params(model, torch.float32, d["device"]))
     from torch.distributed.tensor import DTensor
+
     gathered, full_tensor = [], DTensor.full_tensor
-    DTensor.full_tensor = lambda self, **kw: (gathered.append((str(self.dtype), self.device.type))
-                                              or full_tensor(self, **kw))  # what reaches the collective
-    pushed = dict(dapo.full_params(model, torch.bfloat16, d["device"]))  # the bf16 push's stream, offloaded
+    DTensor.full_tensor = lambda self, **kw: (
+        gathered.append((str(self.dtype), self.device.type)) or full_tensor(self, **kw)
+    )  # what reaches the collective
+    pushed = dict(
+        dapo.full_params(model, torch.bfloat16, d["device"])
+    )  # the bf16 push's stream, offloaded
     export = dict(dapo.full_params(model, torch.bfloat16, d["device"], "cpu"))  # the HF export's
     DTensor.full_tensor = full_tensor
     if d["rank"] == 0:
         a, b = final[False], final[True]
         with open(out, "w") as f:
-            json.dump(dict(rel_diff=_rel_err(b, a), moved=_rel_err(a, start), updates=updates // 2,
-                           gathered=sorted(set(gathered)), gathers=len(gathered), n_params=len(pushed),
-                           bf16_equal=all(torch.equal(pushed[k], b[k].bfloat16()) and torch.equal(export[k], pushed[k])
-                                          for k in b),
-                           export_device=sorted({v.device.type for v in export.values()})), f)
+            json.dump(
+                dict(
+                    rel_diff=_rel_err(b, a),
+                    moved=_rel_err(a, start),
+                    updates=updates // 2,
+                    gathered=sorted(set(gathered)),
+                    gathers=len(gathered),
+                    n_params=len(pushed),
+                    bf16_equal=all(
+                        torch.equal(pushed[k], b[k].bfloat16())
+                        and torch.equal(export[k], pushed[k])
+                        for k in b
+                    ),
+                    export_device=sorted({v.device.type for v in export.values()}),
+                ),
+                f,
+            )
     torch.distributed.destroy_process_group()
 
 
@@ -923,46 +1266,69 @@ def test_resume_on_another_world_size(tiny_model, tmp_path, worlds):
     _torchrun(saver, __file__, "reshard", tiny_model, str(tmp_path), "save")
     _torchrun(loader, __file__, "reshard", tiny_model, str(tmp_path), "load")
     r = json.loads((tmp_path / "reshard.json").read_text())
-    assert r["n_tensors"] > 20 and r["equal"] and r["state"] == dict(step=1, data_pos=8) and r["lr"] == 5e-4
+    assert (
+        r["n_tensors"] > 20
+        and r["equal"]
+        and r["state"] == dict(step=1, data_pos=8)
+        and r["lr"] == 5e-4
+    )
     assert len(set(map(tuple, r["draws"]))) == loader  # one stream per DP rank
 
 
 def _flat_state(model, optim):
     """Every tensor and number of the full model and optimizer state, by path, on the CPU."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    full = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    full = get_state_dict(
+        model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     flat = {}
 
     def walk(prefix, x):
-        for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
-            walk(f"{prefix}/{k}", v) if isinstance(v, (dict, list)) else flat.__setitem__(f"{prefix}/{k}", v)
+        for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+            walk(f"{prefix}/{k}", v) if isinstance(v, (dict, list)) else flat.__setitem__(
+                f"{prefix}/{k}", v
+            )
+
     walk("", full)
     return flat
 
 
 def _equal_states(a, b):
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
-                                          for k in a)
+    return sorted(a) == sorted(b) and all(
+        torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a
+    )
 
 
 def _save_or_load(cfg, d, phase):
-    """The policy, AdamW and a scheduler; "save": one step of two updates (so AdamW state exists), then the
-    checkpoint of step 1; "load": that checkpoint read back. Returns (model, optim, sched, loaded state)."""
+    """The policy, AdamW and a scheduler; "save": one step of two updates (so AdamW state exists),
+    then the checkpoint of step 1; "load": that checkpoint read back. Returns (model, optim, sched,
+    loaded state)."""
     tok, model = dapo.load_policy(cfg, d)
     optim = dapo.make_optimizer(model, cfg)
     sched, state = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5), None
     if phase == "save":
-        dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
+        _train_step(model, optim, dapo.plan_updates(_grad_rows(), cfg, d), cfg, d, tok)
         sched.step()
-        dapo.save_checkpoint(cfg, d, model, optim, sched, tok, dict(step=1, data_pos=8), hf=False)
+        dapo.save_checkpoint(cfg, d, model, optim, sched, tok, dict(step=1, data_pos=8), False)
     else:
-        state = dapo.load_checkpoint(os.path.join(cfg.out_dir, "ckpt", "step_000001"), d, model, optim, sched, cfg.seed)
+        state = dapo.load_checkpoint(
+            os.path.join(cfg.out_dir, "ckpt", "step_000001"), d, model, optim, sched, cfg.seed
+        )
     return model, optim, sched, state
 
 
 def _worker_reshard(model_dir, folder, phase):
-    cfg = dapo.Config(model=model_dir, bf16=False, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
-                      activation_checkpointing=False, out_dir=folder, **FEW_RANKS)
+    cfg = dapo.Config(
+        model=model_dir,
+        bf16=False,
+        micro_batch_tokens=60,
+        mini_batch_prompts=2,
+        lr=1e-3,
+        activation_checkpointing=False,
+        out_dir=folder,
+        **FEW_RANKS,
+    )
     d = dapo.init_distributed(cfg)
     model, optim, sched, state = _save_or_load(cfg, d, phase)
     flat = _flat_state(model, optim)
@@ -974,17 +1340,40 @@ def _worker_reshard(model_dir, folder, phase):
         saved = torch.load(os.path.join(folder, "saved.pt"), weights_only=False)
         equal = _equal_states(saved, flat)
         with open(os.path.join(folder, "reshard.json"), "w") as f:
-            json.dump(dict(equal=equal, n_tensors=sum(torch.is_tensor(v) for v in flat.values()), state=state,
-                           lr=sched.get_last_lr()[0], draws=draws), f)
-    torch.distributed.barrier()  # no rank tears down while another still gathers or writes (an abort at exit)
+            json.dump(
+                dict(
+                    equal=equal,
+                    n_tensors=sum(torch.is_tensor(v) for v in flat.values()),
+                    state=state,
+                    lr=sched.get_last_lr()[0],
+                    draws=draws,
+                ),
+                f,
+            )
+    # no rank tears down while another still gathers or writes (an abort at exit)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    sys.stdout.flush()  # past here only interpreter teardown, where gloo's threads aborted 1 run in ~16 under load
-    os._exit(0)  # ('terminate called without an active exception'): not what this test checks; skip it
+    # past here only interpreter teardown, where gloo's threads aborted 1 run in ~16 under load
+    sys.stdout.flush()
+    os._exit(
+        0
+    )  # ('terminate called without an active exception'): not what this test checks; skip it
 
 
-QWEN_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
-               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-               max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN_7B = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 
 def test_estimate_memory_from_a_config_alone(tmp_path):
@@ -993,21 +1382,47 @@ def test_estimate_memory_from_a_config_alone(tmp_path):
     object with the peak by phase, and the training phases hold the sharded
     fp32 state that FSDP2 over 8 GPUs implies."""
     (tmp_path / "config.json").write_text(json.dumps(dict(QWEN_7B, num_hidden_layers=2)))
-    p = _run(["--preset", "dapo", "--model", str(tmp_path), "--estimate_memory", "8", "--max_prompt_len", "512",
-              "--max_response_len", "1536", "--overlong_buffer_len", "512", "--micro_batch_tokens", "2048",
-              "--offload_optimizer", "false"])
+    p = _run(
+        [
+            "--preset",
+            "dapo",
+            "--model",
+            str(tmp_path),
+            "--estimate_memory",
+            "8",
+            "--max_prompt_len",
+            "512",
+            "--max_response_len",
+            "1536",
+            "--overlong_buffer_len",
+            "512",
+            "--micro_batch_tokens",
+            "2048",
+            "--offload_optimizer",
+            "false",
+        ]
+    )
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    params = 2 * (3584 * 152064) + 2 * (4 * 3584 * 3584 // 7 * 4 + 3 * 3584 * 18944)  # approximately
-    assert abs(out["params"] - params) / params < 0.05 and out["n_gpus"] == 8 and out["tokens"] == 2048
+    params = 2 * (3584 * 152064) + 2 * (
+        4 * 3584 * 3584 // 7 * 4 + 3 * 3584 * 18944
+    )  # approximately
+    assert (
+        abs(out["params"] - params) / params < 0.05 and out["n_gpus"] == 8 and out["tokens"] == 2048
+    )
     train = out["phases"]["train.optimizer"]
-    assert train["Sharded Param"] == pytest.approx(out["params"] * 4 / 8 / 2**30, rel=0.02)  # fp32 / 8
+    assert train["Sharded Param"] == pytest.approx(
+        out["params"] * 4 / 8 / 2**30, rel=0.02
+    )  # fp32 / 8
     assert train["OptState"] == pytest.approx(2 * train["Sharded Param"], rel=0.02)  # AdamW m and v
-    assert out["phases"]["rollout"]["Engine"] == pytest.approx(0.5 * 80, rel=1e-3)  # engine_mem 0.5 x 80 GiB
+    assert out["phases"]["rollout"]["Engine"] == pytest.approx(
+        0.5 * 80, rel=1e-3
+    )  # engine_mem 0.5 x 80 GiB
     assert out["peak_gib"] == max(p["Total"] for p in out["phases"].values())
 
 
 def _documented(comment, model, n_gpus):
-    """The flags of the module docstring's command marked `# comment`, the model swapped for a local config."""
+    """The flags of the module docstring's command marked `# comment`, the model swapped for a
+    local config."""
     (line,) = [ln for ln in dapo.__doc__.splitlines() if ln.rstrip().endswith("# " + comment)]
     flags = line.split("#")[0].split("dapo.py")[1].split()
     flags[flags.index("--model") + 1] = os.path.join(ROOT, "data", model)
@@ -1015,8 +1430,9 @@ def _documented(comment, model, n_gpus):
 
 
 def _host_gib(params, n_gpus, tp):
-    """Host memory of one 8-GPU node by hand: 16 bytes a parameter of offloaded fp32 state (params, grads,
-    AdamW's two moments) sharded over n_gpus, and each asleep engine's bf16 weights (2 bytes / tp)."""
+    """Host memory of one 8-GPU node by hand: 16 bytes a parameter of offloaded fp32 state (params,
+    grads, AdamW's two moments) sharded over n_gpus, and each asleep engine's bf16 weights (2 bytes
+    / tp)."""
     return min(n_gpus, 8) * (16 * params / n_gpus + 2 * params / tp) / 2**30
 
 
@@ -1031,51 +1447,98 @@ def test_documented_one_gpu_command_fits():
     assert out["host_gib_per_node"] == pytest.approx(_host_gib(out["params"], 1, 1), abs=0.1)
 
 
-def test_check_fit_by_hand():
-    """The start's fit check, by hand on one GPU of 79 GiB (an 80 GB card as torch counts it), engine_mem 0.5:
-    39.5 GiB for the engine. Qwen2.5-32B (32.76B parameters) in bf16 is 61.0 GiB: at rollout_tp 1 it leaves
-    the engine no KV cache (the bare defaults' crash), at TP 2 30.5 GiB, at TP 4 15.3. Without offload the
-    trainer's 16 bytes a parameter over 8 GPUs are 61.0 GiB beside the engine's 39.5. The docstring's commands
-    pass; a plan that fails names the flags that would fit, in one line."""
-    n32, n7, gpu = 32763876352, 7615616512, 79 * 2**30  # parameter counts of data/qwen2.5-{32b,7b}/config.json
+def test_check_fit_by_hand(monkeypatch):
+    """The start's fit check, by hand on one GPU of 79 GiB (an 80 GB card as torch counts it),
+    engine_mem 0.5: 39.5 GiB for the engine. Qwen2.5-32B (32.76B parameters) in bf16 is 61.0 GiB: at
+    rollout_tp 1 it leaves the engine no KV cache (the bare defaults' crash), at TP 2 30.5 GiB, at
+    TP 4 15.3. Without offload the trainer's 16 bytes a parameter over 8 GPUs are 61.0 GiB beside
+    the engine's 39.5. The docstring's commands pass; a plan that fails names the flags that would
+    fit, in one line."""
+    n32, n7, gpu = (
+        32763876352,
+        7615616512,
+        79 * 2**30,
+    )  # parameter counts of data/qwen2.5-{32b,7b}/config.json
 
     def fails(n, world, *flags):
+        # rollout_tp 0 (the default) resolves by the launcher's world size
+        monkeypatch.setenv("WORLD_SIZE", str(world))
         try:
             dapo.check_fit(dapo.parse_config(["--preset", "dapo", *flags]), n, world, gpu)
         except SystemExit as e:
-            assert "\n" not in e.code and e.code.startswith(f"dapo: {n / 1e9:.1f}B parameters do not fit {world} x 79 ")
+            assert "\n" not in e.code and e.code.startswith(
+                f"dapo: {n / 1e9:.1f}B parameters do not fit {world} x 79 "
+            )
             return e.code.split("try ")[1].split(" (")[0]
+
     assert fails(n32, 8, "--rollout_tp", "1") == "--rollout_tp 2"
-    assert fails(n32, 8) is None and fails(n32, 8, "--rollout_tp", "8") is None  # the defaults (TP 4, offload)
+    assert (
+        fails(n32, 8) is None and fails(n32, 8, "--rollout_tp", "8") is None
+    )  # the defaults (TP 4, offload)
     assert fails(n32, 8, "--offload_optimizer", "false") == "--offload_optimizer true"
-    assert fails(n32, 8, "--offload_optimizer", "false", "--rollout_tp", "1") == \
-        "--rollout_tp 2 and --offload_optimizer true"
-    assert fails(n32, 1, "--rollout_tp", "1") == "a larger --engine_mem"  # 61.0 GiB of bf16 weights on one GPU
-    assert fails(n7, 1, "--rollout_tp", "1", "--offload_optimizer", "false") == "--offload_optimizer true"  # 113.5
-    assert fails(n32, 8, "--offload_optimizer", "false", "--engine_mem", "0.2", "--rollout_tp", "8") is None  # 61+16
-    for comment, model, n, world in (("one GPU (80 GB)", "qwen2.5-7b", n7, 1), ("one node (8 x 80 GB)", "qwen2.5-32b",
-                                                                                n32, 8)):
+    assert (
+        fails(n32, 8, "--offload_optimizer", "false", "--rollout_tp", "1")
+        == "--rollout_tp 2 and --offload_optimizer true"
+    )
+    assert (
+        fails(n32, 1, "--rollout_tp", "1") == "a larger --engine_mem"
+    )  # 61.0 GiB of bf16 weights on one GPU
+    assert (
+        fails(n7, 1, "--rollout_tp", "1", "--offload_optimizer", "false")
+        == "--offload_optimizer true"
+    )  # 113.5
+    assert (
+        fails(n32, 8, "--offload_optimizer", "false", "--engine_mem", "0.2", "--rollout_tp", "8")
+        is None
+    )  # 61+16
+    for comment, model, n, world in (
+        ("one GPU (80 GB)", "qwen2.5-7b", n7, 1),
+        ("one node (8 x 80 GB)", "qwen2.5-32b", n32, 8),
+    ):
         assert fails(n, world, *_documented(comment, model, world)[:-2]) is None
-    assert fails(n7, 8, "--preset", "dapo_7b") is None  # no offload: 14.2 GiB of fp32 state beside the engine's 39.5
+    assert (
+        fails(n7, 8, "--preset", "dapo_7b") is None
+    )  # no offload: 14.2 GiB of fp32 state beside the engine's 39.5
 
 
 def test_dapo_7b_preset_fits_one_node_and_its_window():
-    """--preset dapo_7b (Qwen2.5-Math-7B's config.json): prompt + response fit the model's 4,096 positions,
-    and on 8 x 80 GB it fits without optimizer offload, its host memory only the asleep engines' bf16
-    weights (8 x 2 bytes x 7.6B). The bug it guards against: a preset longer than its model's window, or one
-    that only fits with offload."""
+    """--preset dapo_7b (Qwen2.5-Math-7B's config.json): prompt + response fit the model's 4,096
+    positions, and on 8 x 80 GB it fits without optimizer offload, its host memory only the asleep
+    engines' bf16 weights (8 x 2 bytes x 7.6B). The bug it guards against: a preset longer than its
+    model's window, or one that only fits with offload."""
     cfg = dapo.parse_config(["--preset", "dapo_7b"])
-    window = json.load(open(os.path.join(ROOT, "data", "qwen2.5-math-7b", "config.json")))["max_position_embeddings"]
-    assert cfg.model == "Qwen/Qwen2.5-Math-7B" and cfg.max_prompt_len + cfg.max_response_len <= window == 4096
+    window = json.load(open(os.path.join(ROOT, "data", "qwen2.5-math-7b", "config.json")))[
+        "max_position_embeddings"
+    ]
+    assert (
+        cfg.model == "Qwen/Qwen2.5-Math-7B"
+        and cfg.max_prompt_len + cfg.max_response_len <= window == 4096
+    )
     assert not cfg.offload_optimizer and cfg.rollout_tp == 1
-    p = _run(["--preset", "dapo_7b", "--model", os.path.join(ROOT, "data", "qwen2.5-math-7b"), "--estimate_memory", "8"])
+    p = _run(
+        [
+            "--preset",
+            "dapo_7b",
+            "--model",
+            os.path.join(ROOT, "data", "qwen2.5-math-7b"),
+            "--estimate_memory",
+            "8",
+        ]
+    )
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["fits"] and out["peak_gib"] <= 80 and out["engine_kv_gib"] > 20 and out["params"] == 7615616512
+    assert (
+        out["fits"]
+        and out["peak_gib"] <= 80
+        and out["engine_kv_gib"] > 20
+        and out["params"] == 7615616512
+    )
     assert out["host_gib_per_node"] == pytest.approx(8 * 2 * out["params"] / 2**30, abs=0.1)
 
 
-@pytest.mark.skipif(not os.environ.get("DAPO_SLOW_TESTS"), reason="the 32B simulation takes about 100 s on a "
-                    "2-core CPU; set DAPO_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("DAPO_SLOW_TESTS"),
+    reason="the 32B simulation takes about 100 s on a 2-core CPU; set DAPO_SLOW_TESTS=1",
+)
 def test_documented_one_node_command_fits():
     """The docstring's one-node command (the bare defaults, Qwen2.5-32B's
     config.json) fits 8 x 80 GB in the simulation, and its node's host memory
@@ -1097,36 +1560,91 @@ def test_estimate_memory_matches_the_real_micro_step(tiny_model, tmp_path):
         r[world] = json.loads((tmp_path / "est.json").read_text())
         for phase, real in r[world]["real"].items():
             assert r[world]["fake"][phase] == pytest.approx(real, rel=0.15), (world, phase)
-    assert r[2]["real"]["train.optimizer"] < 0.75 * r[1]["real"]["train.optimizer"]  # sharding shows
+    assert (
+        r[2]["real"]["train.optimizer"] < 0.75 * r[1]["real"]["train.optimizer"]
+    )  # sharding shows
 
 
 def _worker_estimate(model_dir, out):
     import torch.distributed as dist
-    cfg = dapo.Config(model=model_dir, max_prompt_len=64, max_response_len=192, overlong_buffer_len=32,
-                      micro_batch_tokens=256, logp_chunk_tokens=64, bf16=False, **FEW_RANKS)
+
+    cfg = dapo.Config(
+        model=model_dir,
+        max_prompt_len=64,
+        max_response_len=192,
+        overlong_buffer_len=32,
+        micro_batch_tokens=256,
+        logp_chunk_tokens=64,
+        bf16=False,
+        **FEW_RANKS,
+    )
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    fake = dapo.estimate_memory(cfg, world) if rank == 0 else None  # no process group yet: simulated
+    fake = (
+        dapo.estimate_memory(cfg, world) if rank == 0 else None
+    )  # no process group yet: simulated
     dist.init_process_group("gloo")
     real = dapo.estimate_memory(cfg, world)  # a process group: the same steps on real tensors
     dist.destroy_process_group()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({k: {ph: v["Total"] for ph, v in x["phases"].items() if ph != "rollout"}
-                       for k, x in (("fake", fake), ("real", real))}, f)
+            json.dump(
+                {
+                    k: {ph: v["Total"] for ph, v in x["phases"].items() if ph != "rollout"}
+                    for k, x in (("fake", fake), ("real", real))
+                },
+                f,
+            )
 
 
 def _tiny_args(model, out, *extra):
-    return ["--preset", "cpu", "--model", model, "--out_dir", str(out), "--steps", "2",
-            "--prompts_per_step", "4", "--group_size", "4", "--gen_prompts_per_round", "4",
-            "--max_gen_rounds", "1", "--max_response_len", "16", "--overlong_buffer_len", "4",
-            "--mini_batch_prompts", "2", "--micro_batch_tokens", "512", "--eval_every", "0",
-            "--save_every", "0", "--engine_kv_cache_gb", "0.25", "--bf16", "false",
-            "--dynamic_sampling", "false", *extra]
+    return [
+        "--preset",
+        "cpu",
+        "--model",
+        model,
+        "--out_dir",
+        str(out),
+        "--steps",
+        "2",
+        "--prompts_per_step",
+        "4",
+        "--group_size",
+        "4",
+        "--gen_prompts_per_round",
+        "4",
+        "--max_gen_rounds",
+        "1",
+        "--max_response_len",
+        "16",
+        "--overlong_buffer_len",
+        "4",
+        "--mini_batch_prompts",
+        "2",
+        "--micro_batch_tokens",
+        "512",
+        "--eval_every",
+        "0",
+        "--save_every",
+        "0",
+        "--engine_kv_cache_gb",
+        "0.25",
+        "--bf16",
+        "false",
+        "--dynamic_sampling",
+        "false",
+        *extra,
+    ]
 
 
 def _run(args, timeout=300, env=None, check=True, script=("dapo.py",)):
-    p = subprocess.run([sys.executable, *script, *args], env=env or _env(), capture_output=True,
-                       text=True, timeout=timeout, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, *script, *args],
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
@@ -1137,21 +1655,43 @@ def _metrics(out):
         return [json.loads(line) for line in f]
 
 
-KEYS = ["reward/accuracy", "loss/entropy", "rollout/response_len_mean", "rollout/response_len_max",
-        "rollout/truncated_frac", "reward/overlong_penalty", "loss/clip_frac_low", "loss/clip_frac_high",
-        "dynamic_sampling/rounds", "dynamic_sampling/kept_frac", "rollout/engine_logp_gap",
-        "rollout/is_weight_mean", "rollout/is_capped_frac",
-        "loss/grad_norm", "loss/lr", "perf/rollout_s", "perf/old_logp_s", "perf/update_s", "perf/push_s",
-        "perf/update_tokens_per_s", "perf/rollout_tokens_per_s", "perf/padding_frac"]
+KEYS = [
+    "reward/accuracy",
+    "loss/entropy",
+    "rollout/response_len_mean",
+    "rollout/response_len_max",
+    "rollout/truncated_frac",
+    "reward/overlong_penalty",
+    "loss/clip_frac_low",
+    "loss/clip_frac_high",
+    "dynamic_sampling/rounds",
+    "dynamic_sampling/kept_frac",
+    "rollout/engine_logp_gap",
+    "rollout/is_weight_mean",
+    "rollout/is_capped_frac",
+    "loss/grad_norm",
+    "loss/lr",
+    "perf/rollout_s",
+    "perf/old_logp_s",
+    "perf/update_s",
+    "perf/push_s",
+    "perf/update_tokens_per_s",
+    "perf/rollout_tokens_per_s",
+    "perf/padding_frac",
+]
 
 
 @pytest.fixture(scope="module")
 def one_rank_run(tiny_model, tmp_path_factory):
-    """Two steps of dapo.py through vLLM under plain `python`, two updates a step, truncated importance
-    sampling on, TensorBoard beside the JSONL."""
+    """Two steps of dapo.py through vLLM under plain `python`, two updates a step, truncated
+    importance sampling on, TensorBoard beside the JSONL."""
     out = tmp_path_factory.mktemp("one_rank")
-    env = {k: v for k, v in _env().items() if k != "VLLM_LOGGING_LEVEL"}  # the user's default console
-    p = _run(_tiny_args(tiny_model, out, "--rollout_is_cap", "2", "--report_to", "tensorboard"), env=env)
+    env = {
+        k: v for k, v in _env().items() if k != "VLLM_LOGGING_LEVEL"
+    }  # the user's default console
+    p = _run(
+        _tiny_args(tiny_model, out, "--rollout_is_cap", "2", "--report_to", "tensorboard"), env=env
+    )
     return _metrics(out), out, p.stdout + p.stderr
 
 
@@ -1164,18 +1704,34 @@ def test_end_to_end_vllm_one_rank(one_rank_run):
     for m in ms:
         assert all(k in m for k in KEYS), sorted(set(KEYS) - set(m))
         assert m["rollout/engine_logp_gap"] < 1e-3  # fp32 engine: the pushed weights are used
-        assert abs(m["rollout/is_weight_mean"] - 1) < 1e-2 and m["rollout/is_capped_frac"] == 0  # so IS weights are 1
-        assert m["perf/old_logp_s"] > 0 and m["loss/updates"] == 2 and m["loss/skipped_updates"] == 0
+        assert (
+            abs(m["rollout/is_weight_mean"] - 1) < 1e-2 and m["rollout/is_capped_frac"] == 0
+        )  # so IS weights are 1
+        assert (
+            m["perf/old_logp_s"] > 0 and m["loss/updates"] == 2 and m["loss/skipped_updates"] == 0
+        )
         assert 0.5 < m["loss/entropy"] < math.log(49152)  # a random model: high, but a distribution
-        assert math.isfinite(m["loss/policy"]) and 0 <= m["loss/clip_frac_low"] + m["loss/clip_frac_high"] < 0.5
-    assert ms[0]["loss/grad_norm"] > 0 and ms[0]["loss/policy"] != 0  # varied lengths: nonzero advantages
+        assert (
+            math.isfinite(m["loss/policy"])
+            and 0 <= m["loss/clip_frac_low"] + m["loss/clip_frac_high"] < 0.5
+        )
+    assert (
+        ms[0]["loss/grad_norm"] > 0 and ms[0]["loss/policy"] != 0
+    )  # varied lengths: nonzero advantages
     assert json.load(open(out / "config.json"))["group_size"] == 4
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(out / "tensorboard")).Reload()  # every step's scalars reached the tracker
-    assert [(e.step, e.value) for e in events.Scalars("reward/accuracy")] == \
-        [(m["step"], pytest.approx(m["reward/accuracy"])) for m in ms]
+
+    events = EventAccumulator(
+        str(out / "tensorboard")
+    ).Reload()  # every step's scalars reached the tracker
+    assert [(e.step, e.value) for e in events.Scalars("reward/accuracy")] == [
+        (m["step"], pytest.approx(m["reward/accuracy"])) for m in ms
+    ]
     log = out / "metrics.jsonl"  # the run's last line: where its results are and how to draw them
-    assert f"dapo: metrics {log}; last checkpoint none; figure: python data/plot_run.py {log}\n" in console
+    assert (
+        f"dapo: metrics {log}; last checkpoint none; figure: python data/plot_run.py {log}\n"
+        in console
+    )
 
 
 def test_console_is_quiet(one_rank_run):
@@ -1210,37 +1766,69 @@ def _correct_by_position(pos, G):
 
 
 def _worker_scripted_main(*argv):
-    """dapo.main with its reward replaced by a script of which samples are correct (by stream position
-    and sample index), so every dynamic-sampling branch happens whatever tokens this CPU samples."""
+    """dapo.main with its reward replaced by a script of which samples are correct (by stream
+    position and sample index), so every dynamic-sampling branch happens whatever tokens this CPU
+    samples."""
+
     def score_groups(prompts, samples, tok, cfg):
         for ex, group in zip(prompts, samples):
             for j, s in enumerate(group):
                 s["score"] = 1.0 if j < _correct_by_position(ex["pos"], len(group)) else -1.0
-                s["penalty"] = dapo.overlong_penalty(len(s["ids"]), cfg.max_response_len, cfg.overlong_buffer_len)
-        return [dict(idx=ex["idx"], prompt_ids=ex["prompt_ids"], samples=g) for ex, g in zip(prompts, samples)]
+                s["penalty"] = dapo.overlong_penalty(
+                    len(s["ids"]), cfg.max_response_len, cfg.overlong_buffer_len
+                )
+        return [
+            dict(idx=ex["idx"], prompt_ids=ex["prompt_ids"], samples=g)
+            for ex, g in zip(prompts, samples)
+        ]
+
     dapo.score_groups = score_groups
     dapo.main(list(argv))
 
 
 @pytest.mark.parametrize("bf16", ["false", "true"])
 def test_end_to_end_dynamic_sampling_refills_and_trims(tiny_model, tmp_path, bf16):
-    """Through main, vLLM sampling, in fp32 and in bf16 (autocast and a bf16 engine), with a scripted
-    reward: two informative groups in every 4 prompts, rounds of 4 prompts, a batch of 5 groups. So
-    each step needs exactly 3 rounds: round 1 keeps 2, round 2 refills to 4, round 3 overshoots to 6
-    and one group is trimmed. Guards against a loop that trains on the first round's groups, keeps
-    all-equal groups, trains more than B, or counts a round twice. Also: keep_checkpoints 1 with 2 saves
-    leaves the last one, complete and loadable, its HF folder in the run's dtype (config.json says so). The
-    bug: an fp32 run exported bf16 weights, rounding its small updates away (eval 0.83 in the run, 0.58 after)."""
-    _run(_tiny_args(tiny_model, tmp_path, "--bf16", bf16, "--dynamic_sampling", "true", "--prompts_per_step", "5",
-                    "--gen_prompts_per_round", "4", "--max_gen_rounds", "8", "--mini_batch_prompts", "5",
-                    "--save_every", "1", "--keep_checkpoints", "1"), script=["test_dapo.py", "scripted_main"])
+    """Through main, vLLM sampling, in fp32 and in bf16 (autocast and a bf16 engine), with a
+    scripted reward: two informative groups in every 4 prompts, rounds of 4 prompts, a batch of 5
+    groups. So each step needs exactly 3 rounds: round 1 keeps 2, round 2 refills to 4, round 3
+    overshoots to 6 and one group is trimmed. Guards against a loop that trains on the first round's
+    groups, keeps all-equal groups, trains more than B, or counts a round twice. Also:
+    keep_checkpoints 1 with 2 saves leaves the last one, complete and loadable, its HF folder in the
+    run's dtype (config.json says so). The bug: an fp32 run exported bf16 weights, rounding its
+    small updates away (eval 0.83 in the run, 0.58 after)."""
+    _run(
+        _tiny_args(
+            tiny_model,
+            tmp_path,
+            "--bf16",
+            bf16,
+            "--dynamic_sampling",
+            "true",
+            "--prompts_per_step",
+            "5",
+            "--gen_prompts_per_round",
+            "4",
+            "--max_gen_rounds",
+            "8",
+            "--mini_batch_prompts",
+            "5",
+            "--save_every",
+            "1",
+            "--keep_checkpoints",
+            "1",
+        ),
+        script=["test_dapo.py", "scripted_main"],
+    )
     ms = _metrics(tmp_path)
     assert [m["step"] for m in ms] == [1, 2]
     train_set = [json.loads(line) for line in open(os.path.join(ROOT, "data", "demo_train.jsonl"))]
     for step, m in enumerate(ms):
         # sampled: 12 prompts; informative: positions 4k+2, 4k+3 (6 of them); kept: the first 5
         positions = [p for p in range(12 * step, 12 * step + 12) if p % 4 in (2, 3)][:5]
-        order = [dapo._epoch_order(len(train_set), 0, p // len(train_set))[p % len(train_set)] for p in positions]
+        order = [
+            dapo._epoch_order(len(train_set), 0, p // len(train_set))[p % len(train_set)]
+            for p in positions
+        ]
         assert m["data/prompt_idx"] == order
         assert m["dynamic_sampling/rounds"] == 3 and m["dynamic_sampling/kept_groups"] == 5
         assert m["dynamic_sampling/kept_frac"] == pytest.approx(5 * 4 / 48)
@@ -1249,15 +1837,22 @@ def test_end_to_end_dynamic_sampling_refills_and_trims(tiny_model, tmp_path, bf1
         assert m["loss/grad_norm"] > 0 and m["loss/updates"] == 1
     assert os.listdir(tmp_path / "ckpt") == ["step_000002"]
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "step_000002" / "hf", dtype="auto")  # loadable
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt" / "step_000002" / "hf", dtype="auto"
+    )  # loadable
     dtype = torch.bfloat16 if bf16 == "true" else torch.float32
     from safetensors.torch import load_file
-    stored = load_file(tmp_path / "ckpt" / "step_000002" / "hf" / "model.safetensors")  # as written, not as loaded
+
+    stored = load_file(
+        tmp_path / "ckpt" / "step_000002" / "hf" / "model.safetensors"
+    )  # as written, not as loaded
     assert {t.dtype for t in stored.values()} == {dtype} and hf.config.dtype == dtype
 
 
 def _weights(folder):
     from safetensors.torch import load_file
+
     return load_file(os.path.join(folder, "hf", "model.safetensors"))
 
 
@@ -1267,21 +1862,35 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model, tmp_path, fault):
     --resume: the last complete checkpoint is intact, and the run continues
     exactly as the uninterrupted one: same prompts, lr and weights (each
     prompt's samples are seeded by its stream position)."""
-    args = ["--steps", "3", "--save_every", "1", "--keep_checkpoints", "3",
-            "--warmup_steps", "4", "--hf_export", "every"]
+    args = [
+        "--steps",
+        "3",
+        "--save_every",
+        "1",
+        "--keep_checkpoints",
+        "3",
+        "--warmup_steps",
+        "4",
+        "--hf_export",
+        "every",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     _run(_tiny_args(tiny_model, a, *args))
     p = _run(_tiny_args(tiny_model, b, *args), env=dict(_env(), DAPO_FAULT=fault), check=False)
     assert p.returncode != 0  # killed
     ckpt = sorted(os.listdir(b / "ckpt"))
-    assert ckpt == (["step_000001", "step_000002.tmp"] if fault == "save:2" else ["step_000001", "step_000002"])
+    assert ckpt == (
+        ["step_000001", "step_000002.tmp"] if fault == "save:2" else ["step_000001", "step_000002"]
+    )
     last = ckpt[-1] if fault == "step:3" else ckpt[0]
     for k, v in _weights(b / "ckpt" / last).items():  # the checkpoint left behind is intact
         assert torch.equal(v, _weights(a / "ckpt" / last)[k])
     _run(_tiny_args(tiny_model, b, *args, "--resume", "true"))
     ma = {m["step"]: m for m in _metrics(a)}
     mb = {m["step"]: m for m in _metrics(b)}  # the killed run's lines, then the resumed run's
-    assert [ma[s]["loss/lr"] for s in (1, 2, 3)] == pytest.approx([1e-5 * s / 4 for s in (1, 2, 3)])  # warm-up
+    assert [ma[s]["loss/lr"] for s in (1, 2, 3)] == pytest.approx(
+        [1e-5 * s / 4 for s in (1, 2, 3)]
+    )  # warm-up
     for step in (2, 3):
         assert mb[step]["data/prompt_idx"] == ma[step]["data/prompt_idx"]
         assert mb[step]["loss/lr"] == ma[step]["loss/lr"]
@@ -1300,7 +1909,10 @@ def test_out_dir_with_a_run_needs_resume(tiny_model, tmp_path, leftover):
     p = _run(_tiny_args(tiny_model, tmp_path), check=False, env=_console_env())
     assert p.returncode != 0
     shown = "ckpt/" if leftover == "ckpt" else leftover
-    assert p.stderr.strip() == f"dapo: {tmp_path} holds a run ({shown}): pass --resume true or another --out_dir"
+    assert (
+        p.stderr.strip()
+        == f"dapo: {tmp_path} holds a run ({shown}): pass --resume true or another --out_dir"
+    )
 
 
 def test_save_over_a_stale_step_folder(tiny_model, tmp_path):
@@ -1321,9 +1933,27 @@ def test_eval_only_on_a_set_that_repeats_its_problems(tiny_model, tmp_path):
     times once, avg@k and pass@k are printed, and eval/problems is 32."""
     rows = open(os.path.join(ROOT, "data", "demo_eval.jsonl")).read().splitlines()
     (tmp_path / "eval.jsonl").write_text("\n".join(rows * 3) + "\n")
-    p = _run(["--preset", "cpu", "--model", tiny_model, "--out_dir", str(tmp_path), "--eval_only",
-              "--eval_data", str(tmp_path / "eval.jsonl"), "--eval_k", "2", "--max_response_len", "8",
-              "--overlong_buffer_len", "2", "--engine_kv_cache_gb", "0.25"])
+    p = _run(
+        [
+            "--preset",
+            "cpu",
+            "--model",
+            tiny_model,
+            "--out_dir",
+            str(tmp_path),
+            "--eval_only",
+            "--eval_data",
+            str(tmp_path / "eval.jsonl"),
+            "--eval_k",
+            "2",
+            "--max_response_len",
+            "8",
+            "--overlong_buffer_len",
+            "2",
+            "--engine_kv_cache_gb",
+            "0.25",
+        ]
+    )
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert "96 rows, kept 32, dropped 64 repeated prompts" in p.stdout
     assert result["eval/problems"] == 32 and 0 <= result["eval/avg@2"] <= result["eval/pass@2"] <= 1
@@ -1333,50 +1963,72 @@ def test_eval_only_on_a_set_that_repeats_its_problems(tiny_model, tmp_path):
 
 
 def test_pass_at_k_and_majority_vote_hand_values():
-    """pass@k = 1 - C(n-c, k) / C(n, k): n 4, c 1, k 2 -> 1 - 3/6 = 0.5; c 0 -> 0; n - c < k -> 1; k 1 ->
-    c / n. maj: the most frequent answer, a tie to the one met first, None never votes. Guards against the
-    biased 1 - (1 - c/n)^k and a tie broken by dict or set order."""
+    """pass@k = 1 - C(n-c, k) / C(n, k): n 4, c 1, k 2 -> 1 - 3/6 = 0.5; c 0 -> 0; n - c < k -> 1; k
+    1 -> c / n. maj: the most frequent answer, a tie to the one met first, None never votes. Guards
+    against the biased 1 - (1 - c/n)^k and a tie broken by dict or set order."""
     assert dapo.pass_at_k(4, 1, 2) == pytest.approx(0.5) and dapo.pass_at_k(5, 0, 3) == 0
     assert dapo.pass_at_k(4, 3, 2) == 1 and dapo.pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
     assert dapo.pass_at_k(32, 4, 8) == pytest.approx(1 - math.comb(28, 8) / math.comb(32, 8))
     assert dapo.majority_vote(["3", "5", "5", None, None, None]) == "5"
-    assert dapo.majority_vote(["4", "3", "4", "3"]) == "4" and dapo.majority_vote(["3", "4", "3", "4"]) == "3"
+    assert (
+        dapo.majority_vote(["4", "3", "4", "3"]) == "4"
+        and dapo.majority_vote(["3", "4", "3", "4"]) == "3"
+    )
     assert dapo.majority_vote([None, None]) is None
-    assert reward.final_answer("so... Answer: $5$", "answer") == "5" and reward.final_answer("no answer") is None
+    assert (
+        reward.final_answer("so... Answer: $5$", "answer") == "5"
+        and reward.final_answer("no answer") is None
+    )
 
 
 def test_evaluate_avg_pass_maj_hand_values(one_rank, tmp_path, monkeypatch):
-    """evaluate() with scripted responses, k = 4, answers 5 and 3: problem A answers 3, 5, 5 and none
-    (2 correct, majority 5: right); problem B 4, 3, 4, 3 (2 correct, a tie to the first, 4: wrong).
-    avg@4 = 4/8, pass@2 = 1 - C(2,2)/C(4,2) = 5/6 each, pass@4 = 1, maj@4 = 1/2; verdicts in the file."""
-    texts = {0: ["Answer: 3", "Answer: 5", "Answer: 5", "I give up"], 1: ["Answer: 4", "Answer: 3", "Answer: 4", "Answer: 3"]}
+    """evaluate() with scripted responses, k = 4, answers 5 and 3: problem A answers 3, 5, 5 and
+    none (2 correct, majority 5: right); problem B 4, 3, 4, 3 (2 correct, a tie to the first, 4:
+    wrong). avg@4 = 4/8, pass@2 = 1 - C(2,2)/C(4,2) = 5/6 each, pass@4 = 1, maj@4 = 1/2; verdicts in
+    the file."""
+    texts = {
+        0: ["Answer: 3", "Answer: 5", "Answer: 5", "I give up"],
+        1: ["Answer: 4", "Answer: 3", "Answer: 4", "Answer: 3"],
+    }
 
     class Tok:
         def batch_decode(self, ids, skip_special_tokens):
             return [texts[i // 10][i % 10] for [i] in ids]
-    monkeypatch.setattr(dapo, "generate", lambda engine, prompts, n, *a: [
-        [dict(ids=[10 * p[0] + j]) for j in range(n)] for p in prompts])
+
+    monkeypatch.setattr(
+        dapo,
+        "generate",
+        lambda engine, prompts, n, *a: [
+            [dict(ids=[10 * p[0] + j]) for j in range(n)] for p in prompts
+        ],
+    )
     examples = [dict(idx=0, prompt_ids=[0], answer="5"), dict(idx=1, prompt_ids=[1], answer="3")]
     cfg = dapo.Config(eval_k=4, reward_mode="answer", out_dir=str(tmp_path))
     m = dapo.evaluate(cfg, one_rank, None, Tok(), examples, 7)
-    assert m == {"eval/avg@4": 0.5, "eval/maj@4": 0.5, "eval/pass@2": pytest.approx(5 / 6), "eval/pass@4": 1.0,
-                 "eval/problems": 2}
+    assert m == {
+        "eval/avg@4": 0.5,
+        "eval/maj@4": 0.5,
+        "eval/pass@2": pytest.approx(5 / 6),
+        "eval/pass@4": 1.0,
+        "eval/problems": 2,
+    }
     rows = [json.loads(x) for x in (tmp_path / "eval_step000007.jsonl").read_text().splitlines()]
     assert [(r["correct"], r["maj_correct"]) for r in rows] == [(2, True), (2, False)]
 
 
 def _wandb_records(path):
-    """The protobuf records of an offline W&B run file: a 7-byte header, then LevelDB-log records (a 7-byte
-    header: crc, length, kind 1 full / 2 first / 3 middle / 4 last) in 32 KiB blocks."""
+    """The protobuf records of an offline W&B run file: a 7-byte header, then LevelDB-log records (a
+    7-byte header: crc, length, kind 1 full / 2 first / 3 middle / 4 last) in 32 KiB blocks."""
     from wandb.proto import wandb_internal_pb2
+
     raw, pos, part, records = open(path, "rb").read(), 7, b"", []
     assert raw[:4] == b":W&B"
     while pos + 7 <= len(raw):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        _, n, kind = struct.unpack("<IHB", raw[pos:pos + 7])
-        part, pos = part + raw[pos + 7:pos + 7 + n], pos + 7 + n
+        _, n, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        part, pos = part + raw[pos + 7 : pos + 7 + n], pos + 7 + n
         if kind in (1, 4):
             records.append(wandb_internal_pb2.Record.FromString(part))
             part = b""
@@ -1385,33 +2037,44 @@ def _wandb_records(path):
 
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
 def test_report_to_writes_scalars_and_the_config(tracker, tmp_path, monkeypatch):
-    """--report_to tensorboard | wandb (offline, no network): two steps' scalars reach the tracker's own
-    files and read back with its own reader; lists such as data/prompt_idx are skipped; the config is
-    logged once; ranks other than 0 write nothing."""
+    """--report_to tensorboard | wandb (offline, no network): two steps' scalars reach the tracker's
+    own files and read back with its own reader; lists such as data/prompt_idx are skipped; the
+    config is logged once; ranks other than 0 write nothing."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = dapo.Config(out_dir=str(tmp_path), report_to=tracker, lr=3e-6)
-    log, close = dapo.open_tracker(dataclasses.replace(cfg, out_dir=str(tmp_path / "rank1")), dict(rank=1))
-    log({"step": 1, "reward/accuracy": 0.5})
-    close()
+    rank1 = dataclasses.replace(cfg, out_dir=str(tmp_path / "rank1"))
+    logger = dapo.open_logger(rank1, dict(rank=1), 0)
+    dapo.log_metrics(logger, {"step": 1, "reward/accuracy": 0.5})
+    dapo.close_logger(logger)
     assert not (tmp_path / "rank1").exists()
-    log, close = dapo.open_tracker(cfg, dict(rank=0))
+    logger = dapo.open_logger(cfg, dict(rank=0), 0)
     for step, acc in ((1, 0.25), (2, 0.75)):
-        log({"step": step, "reward/accuracy": acc, "data/prompt_idx": [3, 1], "loss/skipped_updates": 0})
-    close()
+        metrics = {"step": step, "reward/accuracy": acc, "data/prompt_idx": [3, 1]}
+        dapo.log_metrics(logger, dict(metrics, **{"loss/skipped_updates": 0}))
+    dapo.close_logger(logger)
     if tracker == "tensorboard":
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
         events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
-        assert [(e.step, e.value) for e in events.Scalars("reward/accuracy")] == [(1, 0.25), (2, 0.75)]
+        assert [(e.step, e.value) for e in events.Scalars("reward/accuracy")] == [
+            (1, 0.25),
+            (2, 0.75),
+        ]
         assert "data/prompt_idx" not in events.Tags()["scalars"]
         config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
         assert json.loads(config)["lr"] == 3e-6
     else:
-        [run_file] = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".wandb")]
+        [run_file] = [
+            os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".wandb")
+        ]
         records = _wandb_records(run_file)
         kinds = [r.WhichOneof("record_type") for r in records]
-        history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-                   for r, k in zip(records, kinds) if k == "history"]
+        history = [
+            {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r, k in zip(records, kinds)
+            if k == "history"
+        ]
         runs = [r.run for r, k in zip(records, kinds) if k == "run"]
         assert len(runs) == 1, kinds
         config = {i.key: json.loads(i.value_json) for i in runs[0].config.update}
@@ -1421,76 +2084,124 @@ def test_report_to_writes_scalars_and_the_config(tracker, tmp_path, monkeypatch)
 
 # --- dynamic sampling rounds, with a scripted sampler ---
 
+
 @pytest.fixture(scope="module")
 def one_rank():
     """A 1-rank gloo group in the test process (collect_groups gathers)."""
     import torch.distributed as dist
+
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
     return dict(rank=0, world=1, tp=1, dp_rank=0, n_dp=1, device=torch.device("cpu"))
 
 
-def _scripted(n_correct, G):
-    """A rollout whose k-th prompt (in stream order) gets n_correct(k) correct
-    samples, and a score function that passes them through."""
-    seen = []
+def _train_scripted(tmp_path, monkeypatch, tiny_model, one_rank, n_correct, steps=1, **overrides):
+    """dapo.train on DATA with a scripted sampler: every sample is 3 tokens and the prompt at
+    stream position p gets n_correct(p) correct samples, so each dynamic-sampling branch happens
+    whatever a model would sample. The engine is a recorder of weight pushes. Returns the steps'
+    metrics, the final state and the pushes (the step each happened in)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def rollout(prompts):
-        out = []
-        for p in prompts:
-            k = len(seen)
-            seen.append(p)
-            out.append(dict(idx=p["idx"], prompt_ids=p["prompt_ids"], samples=[
-                dict(ids=[1] * 3, finish="stop", engine_logp=[0.0] * 3,
-                     score=1.0 if j < n_correct(k) else -1.0, penalty=0.0) for j in range(G)]))
-        return out
-    return rollout, lambda prompts, groups: groups
+    def generate(engine, prompts, n, *args):
+        return [[dict(ids=[1, 2, 3], finish="stop", engine_logp=[0.0] * 3)] * n for _ in prompts]
+
+    def score_groups(prompts, samples, tok, cfg):
+        groups = []
+        for example, group in zip(prompts, samples):
+            group = [dict(s, score=1.0 if j < n_correct(example["pos"]) else -1.0, penalty=0.0)
+                     for j, s in enumerate(group)]
+            groups.append(dict(idx=example["idx"], prompt_ids=example["prompt_ids"], samples=group))
+        return groups
+
+    pushes = []
+    os.makedirs(tmp_path, exist_ok=True)
+    monkeypatch.setattr(dapo, "generate", generate)
+    monkeypatch.setattr(dapo, "score_groups", score_groups)
+    monkeypatch.setattr(dapo, "push_weights", lambda *args: pushes.append(len(_read(tmp_path))))
+    cfg = dapo.Config(out_dir=str(tmp_path), steps=steps, bf16=False, eval_every=0, save_every=0,
+                      **overrides)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    logger = dapo.open_logger(cfg, one_rank, 0)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        state = dapo.train(cfg, one_rank, tok, model, None, DATA, [], logger)
+    finally:
+        dapo.close_logger(logger)
+        signal.signal(signal.SIGINT, handler)
+    return _read(tmp_path), state, pushes
+
+
+def _read(out):
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    return _metrics(out)
 
 
 DATA = [dict(idx=i, prompt_ids=[i + 1], answer="1") for i in range(50)]
 
 
-def test_dynamic_sampling_fills_then_trims(one_rank):
-    """Half the prompts are informative: 3 rounds of 4 prompts give 6 kept
-    groups; the batch takes 5 and trims the surplus. Guards against training
-    on all-equal groups and against keeping more than B."""
-    cfg = dapo.Config(prompts_per_step=5, group_size=4, gen_prompts_per_round=4, max_gen_rounds=10)
-    kept, m, pos = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 2 if i % 2 else 4, 4))
-    assert len(kept) == 5 and m["dynamic_sampling/rounds"] == 3 and pos == 12
-    assert all(0 < sum(s["score"] > 0 for s in g["samples"]) < 4 for g in kept)
-    assert m["dynamic_sampling/kept_frac"] == pytest.approx(5 / 12)
-    assert m["dynamic_sampling/zero_grad_frac"] == pytest.approx(6 / 12)  # sampled groups, not kept ones
+def test_dynamic_sampling_fills_then_trims(tmp_path, monkeypatch, tiny_model, one_rank):
+    """Through dapo.train: half the prompts are informative, so 3 rounds of 4 prompts give 6 kept
+    groups; the batch takes the first 5 and trims the surplus. Guards against training on
+    all-equal groups, keeping more than B, or a stream position that skips or repeats prompts.
+    Also line 3: the weights are pushed once in the step after an update, never before one."""
+    ms, state, pushes = _train_scripted(
+        tmp_path, monkeypatch, tiny_model, one_rank, lambda p: (4, 2)[p % 2], steps=2,
+        prompts_per_step=5, group_size=4, gen_prompts_per_round=4, max_gen_rounds=10)
+    informative = [p for p in range(24) if p % 2][:5]
+    assert ms[0]["data/prompt_idx"] == [dapo._epoch_order(50, 0, 0)[p] for p in informative]
+    assert ms[0]["dynamic_sampling/kept_groups"] == 5 and ms[0]["dynamic_sampling/rounds"] == 3
+    assert state["data_pos"] == 24 and ms[0]["loss/updates"] == 1
+    assert ms[0]["dynamic_sampling/kept_frac"] == pytest.approx(5 / 12)
+    # of the sampled groups, not the kept ones
+    assert ms[0]["dynamic_sampling/zero_grad_frac"] == pytest.approx(6 / 12)
+    # no push before step 1 (the engine holds the initial weights); one at step 2's first round
+    assert pushes == [1]
 
 
-def test_dynamic_sampling_round_cap_trains_on_what_it_has(one_rank):
-    """The cap is hit with too few groups: warn and return them; with none
-    at all, warn and return nothing. Never crash (the bug in some peers)."""
-    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_prompts_per_round=4, max_gen_rounds=2)
+def test_dynamic_sampling_round_cap_trains_on_what_it_has(tmp_path, monkeypatch, tiny_model,
+                                                          one_rank):
+    """The cap is hit with too few groups: warn and train on them; with none at all, warn and
+    skip the update (and then no weight push follows). Never crash (the bug in some peers)."""
+    kwargs = dict(prompts_per_step=8, group_size=4, gen_prompts_per_round=4, max_gen_rounds=2)
     with pytest.warns(UserWarning, match="kept 2 of 8 groups in 2 rounds; training on those"):
-        kept, m, _ = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 1 if i in (0, 5) else 0, 4))
-    assert len(kept) == 2 and m["dynamic_sampling/kept_groups"] == 2
+        ms, _, _ = _train_scripted(tmp_path / "a", monkeypatch, tiny_model, one_rank,
+                                   lambda p: 1 if p in (0, 5) else 0, **kwargs)
+    assert ms[0]["dynamic_sampling/kept_groups"] == 2 and ms[0]["loss/updates"] == 1
     with pytest.warns(UserWarning, match="skipping the update"):
-        kept, m, _ = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 0, 4))
-    assert kept == [] and m["reward/accuracy"] == 0.0
+        ms, _, pushes = _train_scripted(tmp_path / "b", monkeypatch, tiny_model, one_rank,
+                                        lambda p: 0, steps=2, **kwargs)
+    assert ms[0]["reward/accuracy"] == 0.0 and "loss/updates" not in ms[0] and pushes == []
 
 
-def test_dynamic_sampling_off_keeps_everything(one_rank):
+def test_dynamic_sampling_off_keeps_everything(tmp_path, monkeypatch, tiny_model, one_rank):
     """With dynamic sampling off one round of exactly B prompts is trained,
     all-equal groups included (naive GRPO's behaviour)."""
-    cfg = dapo.Config(prompts_per_step=4, group_size=2, gen_prompts_per_round=16, dynamic_sampling=False)
-    kept, m, _ = dapo.collect_groups(cfg, one_rank, DATA, 0, *_scripted(lambda i: 0, 2))
-    assert len(kept) == 4 and m["dynamic_sampling/rounds"] == 1
-    assert m["dynamic_sampling/zero_grad_frac"] == 1.0  # trained anyway
+    ms, state, _ = _train_scripted(
+        tmp_path, monkeypatch, tiny_model, one_rank, lambda p: 0,
+        prompts_per_step=4, group_size=2, gen_prompts_per_round=16, dynamic_sampling=False)
+    assert ms[0]["dynamic_sampling/kept_groups"] == 4 and ms[0]["dynamic_sampling/rounds"] == 1
+    assert state["data_pos"] == 4 and ms[0]["loss/updates"] == 1
+    assert ms[0]["dynamic_sampling/zero_grad_frac"] == 1.0  # trained anyway
 
 
 def test_prepare_samples_shaped_reward_and_overlong_filter():
     """Advantages use score + Eq. 13 penalty (three samples: with two, (R - mean) / std is +-0.71
     whatever the rewards, so a dropped penalty would not show); overlong filtering zeroes the loss
     mask of truncated samples only, and only when switched on."""
-    group = dict(idx=0, prompt_ids=[1], samples=[
-        dict(ids=[1], finish="stop", score=1.0, penalty=0.0, engine_logp=[0.0]),
-        dict(ids=[1], finish="length", score=-1.0, penalty=-1.0, engine_logp=[0.0]),
-        dict(ids=[1], finish="stop", score=-1.0, penalty=0.0, engine_logp=[0.0])])
+    group = dict(
+        idx=0,
+        prompt_ids=[1],
+        samples=[
+            dict(ids=[1], finish="stop", score=1.0, penalty=0.0, engine_logp=[0.0]),
+            dict(ids=[1], finish="length", score=-1.0, penalty=-1.0, engine_logp=[0.0]),
+            dict(ids=[1], finish="stop", score=-1.0, penalty=0.0, engine_logp=[0.0]),
+        ],
+    )
     (g,) = dapo.prepare_samples([group], dapo.Config(group_size=3, overlong_filter=True))
     # shaped rewards 1, -2, -1: mean -2/3, unbiased std sqrt((25 + 16 + 1) / 9 / 2) = 1.5275
     # (the score alone, 1, -1, -1, would give 1.1547, -0.5774, -0.5774)
@@ -1512,18 +2223,35 @@ def test_data_order_is_deterministic():
 
 # --- bad input: clear errors that name what is wrong ---
 
-@pytest.mark.parametrize("row,message", [
-    ({"answer": "1"}, "d.jsonl line 7: missing field 'prompt'"),
-    ({"prompt": "What?"}, "d.jsonl line 7: missing field 'answer'"),
-    ({"prompt": "What?", "answer": " "}, "d.jsonl line 7: field 'answer' must be a non-empty string"),
-    ({"prompt": 5, "answer": "1"}, "d.jsonl line 7: field 'prompt' must be a string or a list of chat messages"),
-    ({"prompt": [{"role": "user", "content": "q"}]}, "d.jsonl line 7: missing field 'reward_model.ground_truth'"),
-    ({"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": ""}},
-     "d.jsonl line 7: field 'reward_model.ground_truth' must be a non-empty string"),
-    ({"prompt": [{"role": "user", "content": "q"}], "reward_model": "3"},
-     "d.jsonl line 7: missing field 'reward_model.ground_truth'"),
-    ([1, 2], "d.jsonl line 7: missing field 'prompt'"),  # a line that is no JSON object
-])
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"answer": "1"}, "d.jsonl line 7: missing field 'prompt'"),
+        ({"prompt": "What?"}, "d.jsonl line 7: missing field 'answer'"),
+        (
+            {"prompt": "What?", "answer": " "},
+            "d.jsonl line 7: field 'answer' must be a non-empty string",
+        ),
+        (
+            {"prompt": 5, "answer": "1"},
+            "d.jsonl line 7: field 'prompt' must be a string or a list of chat messages",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": "q"}]},
+            "d.jsonl line 7: missing field 'reward_model.ground_truth'",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": ""}},
+            "d.jsonl line 7: field 'reward_model.ground_truth' must be a non-empty string",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": "q"}], "reward_model": "3"},
+            "d.jsonl line 7: missing field 'reward_model.ground_truth'",
+        ),
+        ([1, 2], "d.jsonl line 7: missing field 'prompt'"),  # a line that is no JSON object
+    ],
+)
 def test_bad_rows_name_row_and_field(row, message):
     """Guards against a KeyError or AttributeError deep inside the loop, hours into a run."""
     with pytest.raises(SystemExit, match="^dapo: " + re.escape(message)):
@@ -1531,11 +2259,17 @@ def test_bad_rows_name_row_and_field(row, message):
 
 
 def test_both_row_shapes_parse():
-    """A plain {prompt, answer} row and a DAPO-Math-17k chat row both parse; an int answer becomes a string."""
+    """A plain {prompt, answer} row and a DAPO-Math-17k chat row both parse; an int answer
+    becomes a string."""
     messages, answer = dapo.parse_row({"prompt": "q?", "answer": 12}, 0)
     assert messages == [{"role": "user", "content": "q?"}] and answer == "12"
-    messages, answer = dapo.parse_row({"prompt": [{"role": "user", "content": "q"}],
-                                       "reward_model": {"ground_truth": "3", "style": "rule"}}, 0)
+    messages, answer = dapo.parse_row(
+        {
+            "prompt": [{"role": "user", "content": "q"}],
+            "reward_model": {"ground_truth": "3", "style": "rule"},
+        },
+        0,
+    )
     assert answer == "3"
 
 
@@ -1543,28 +2277,42 @@ def test_empty_dataset_after_filtering_names_the_filters(tiny_model, tmp_path):
     """Duplicates are dropped (the hub copy repeats prompts ~100x) and an
     empty result names the filter that emptied it."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model)
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n" for _ in range(3)))
+    path.write_text(
+        "".join(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n" for _ in range(3))
+    )
     ex = dapo.load_examples(str(path), tok, 256, dedup=True)
     assert len(ex) == 1
     assert len(dapo.load_examples(str(path), tok, 256, dedup=False)) == 3
-    with pytest.raises(SystemExit, match=r"no rows left of 3 .*=True dropped 2, max_prompt_len=5 dropped 1"):
+    with pytest.raises(
+        SystemExit, match=r"no rows left of 3 .*=True dropped 2, max_prompt_len=5 dropped 1"
+    ):
         dapo.load_examples(str(path), tok, 5, dedup=True)
     with pytest.raises(SystemExit, match="does not exist"):
         dapo.load_examples(str(tmp_path / "missing.jsonl"), tok, 256, dedup=True)
 
 
 BAD_DATA = {  # a bad-input class -> (file contents, the one line that names it)
-    "malformed JSON": ('{"prompt": "1 + 1?", "answer": "2"}\n{"bad json\n',
-                       " line 2: not valid JSON (Unterminated string starting at column 2)"),
-    "wrong field type": ('{"prompt": "1 + 1?", "answer": "2"}\n\n{"prompt": 5, "answer": "1"}\n',
-                         " line 3: field 'prompt' must be a string or a list of chat messages with string "
-                         "'content', got int"),
-    "missing field": ('{"prompt": "1 + 1?", "answer": "2"}\n{"question": "1 + 2?", "answer": "3"}\n',
-                      " line 2: missing field 'prompt'"),
-    "empty file": ("", ": no rows left of 0 after filtering (dedup_prompts=True dropped 0, max_prompt_len=256 "
-                       "dropped 0)"),
+    "malformed JSON": (
+        '{"prompt": "1 + 1?", "answer": "2"}\n{"bad json\n',
+        " line 2: not valid JSON (Unterminated string starting at column 2)",
+    ),
+    "wrong field type": (
+        '{"prompt": "1 + 1?", "answer": "2"}\n\n{"prompt": 5, "answer": "1"}\n',
+        " line 3: field 'prompt' must be a string or a list of chat messages with string "
+        "'content', got int",
+    ),
+    "missing field": (
+        '{"prompt": "1 + 1?", "answer": "2"}\n{"question": "1 + 2?", "answer": "3"}\n',
+        " line 2: missing field 'prompt'",
+    ),
+    "empty file": (
+        "",
+        ": no rows left of 0 after filtering (dedup_prompts=True dropped 0, max_prompt_len=256 "
+        "dropped 0)",
+    ),
 }
 
 
@@ -1578,16 +2326,23 @@ def test_bad_data_is_one_line_naming_file_and_line(tiny_model, tmp_path, case):
     line 1, and the data read only after vLLM's start-up (minutes on a GPU)."""
     contents, message = BAD_DATA[case]
     (tmp_path / "train.jsonl").write_text(contents)
-    p = _run(_tiny_args(tiny_model, tmp_path / "out", "--train_data", str(tmp_path / "train.jsonl")), check=False,
-             env=_console_env(), script=(__file__, "no_engine"))
+    p = _run(
+        _tiny_args(tiny_model, tmp_path / "out", "--train_data", str(tmp_path / "train.jsonl")),
+        check=False,
+        env=_console_env(),
+        script=(__file__, "no_engine"),
+    )
     assert p.returncode != 0
     assert p.stderr.strip() == f"dapo: {tmp_path / 'train.jsonl'}{message}"
 
 
 def _worker_no_engine(*argv):
-    """dapo.main whose engine start fails loudly: what must stop a run before the engine stops it first."""
+    """dapo.main whose engine start fails loudly: what must stop a run before the engine stops
+    it first."""
+
     def make_engine(cfg, d):
         raise RuntimeError("make_engine was called")
+
     dapo.make_engine = make_engine
     dapo.main(list(argv))
 
@@ -1597,34 +2352,70 @@ def test_bad_input_on_two_ranks_is_one_line_from_rank_0(tiny_model, tmp_path):
     it (the bug: one traceback per rank). torchrun's own failure summary
     follows; no line of the ranks' own is a traceback."""
     (tmp_path / "train.jsonl").write_text(BAD_DATA["malformed JSON"][0])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "dapo.py", *_tiny_args(tiny_model, tmp_path / "out", "--train_data", str(tmp_path / "train.jsonl"))]
-    p = subprocess.run(cmd, env=_console_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "dapo.py",
+        *_tiny_args(tiny_model, tmp_path / "out", "--train_data", str(tmp_path / "train.jsonl")),
+    ]
+    p = subprocess.run(
+        cmd, env=_console_env(), capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     lines = (p.stdout + p.stderr).splitlines()
     assert p.returncode != 0
-    assert [ln for ln in lines if "not valid JSON" in ln] == [f"dapo: {tmp_path / 'train.jsonl'}"
-                                                              f"{BAD_DATA['malformed JSON'][1]}"]
+    assert [ln for ln in lines if "not valid JSON" in ln] == [
+        f"dapo: {tmp_path / 'train.jsonl'}{BAD_DATA['malformed JSON'][1]}"
+    ]
     assert not [ln for ln in lines if ln.startswith("[rank")]
 
 
 def test_missing_model_path_through_dapo_is_one_line(tmp_path):
     """Through dapo.py (not only load_policy): one line, non-zero exit, no traceback."""
-    p = _run(["--preset", "cpu", "--model", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "out")], check=False,
-             env=_console_env())
-    assert p.returncode != 0 and p.stderr.strip() == f"dapo: model path {str(tmp_path / 'nope')!r} does not exist"
+    p = _run(
+        ["--preset", "cpu", "--model", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "out")],
+        check=False,
+        env=_console_env(),
+    )
+    assert (
+        p.returncode != 0
+        and p.stderr.strip() == f"dapo: model path {str(tmp_path / 'nope')!r} does not exist"
+    )
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--eps_high", "0.1"], "eps_high (0.1) must be >= eps_low (0.2)"),
-    (["--group_size", "1"], "group_size must be >= 2"),
-    (["--mini_batch_prompts", "30"], "mini_batch_prompts (30) must divide prompts_per_step (512)"),
-    (["--overlong_buffer_len", "30000"], "overlong_buffer_len must be in [0, max_response_len=20480)"),
-    (["--micro_batch_tokens", "100"], "micro_batch_tokens (100) must hold one full sequence"),
-    (["--reward_mode", "sympy"], "reward_mode 'sympy' is not in ['answer', 'boxed', 'last_number']"),
-    (["--top_p", "0"], "top-p in (0, 1]"),
-    (["--estimate_memory", "2"], "estimate_memory (2) must be 0 or a multiple of rollout_tp (4)"),
-    (["--estimate_memory", "6"], "estimate_memory (6) must be 0 or a multiple of rollout_tp (4)"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--eps_high", "0.1"], "eps_high (0.1) must be >= eps_low (0.2)"),
+        (["--group_size", "1"], "group_size must be >= 2"),
+        (
+            ["--mini_batch_prompts", "30"],
+            "mini_batch_prompts (30) must divide prompts_per_step (512)",
+        ),
+        (
+            ["--overlong_buffer_len", "30000"],
+            "overlong_buffer_len must be in [0, max_response_len=20480)",
+        ),
+        (["--micro_batch_tokens", "100"], "micro_batch_tokens (100) must hold one full sequence"),
+        (
+            ["--reward_mode", "sympy"],
+            "reward_mode 'sympy' is not in ['answer', 'boxed', 'last_number']",
+        ),
+        (["--top_p", "0"], "top-p in (0, 1]"),
+        (
+            ["--estimate_memory", "2", "--rollout_tp", "4"],
+            "estimate_memory (2) must be 0 or a multiple of rollout_tp (4)",
+        ),
+        (
+            ["--estimate_memory", "6", "--rollout_tp", "4"],
+            "estimate_memory (6) must be 0 or a multiple of rollout_tp (4)",
+        ),
+    ],
+)
 def test_bad_config_values_fail_before_loading(flags, message):
     """Validation runs in parse_config, before any model or engine loads, and
     says it in one line. --estimate_memory N below or off rollout_tp's
@@ -1634,13 +2425,23 @@ def test_bad_config_values_fail_before_loading(flags, message):
     assert str(e.value).startswith("dapo: invalid config: ") and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--preset", "ppo"], f"argument --preset: invalid choice: 'ppo' (choose from {str(sorted(dapo.PRESETS))[1:-1]})"),
-    (["--preset", "dapo", "--eps_hi", "0.3"], "unrecognized arguments: --eps_hi 0.3"),  # no abbreviation match
-    (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
-    (["--bf16", "maybe"], "argument --bf16: invalid boolean value: 'maybe'"),
-    (["--steps"], "argument --steps: expected one argument"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--preset", "ppo"],
+            "argument --preset: invalid choice: 'ppo' "
+            f"(choose from {str(sorted(dapo.PRESETS))[1:-1]})",
+        ),
+        (
+            ["--preset", "dapo", "--eps_hi", "0.3"],
+            "unrecognized arguments: --eps_hi 0.3",
+        ),  # no abbreviation match
+        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+        (["--bf16", "maybe"], "argument --bf16: invalid boolean value: 'maybe'"),
+        (["--steps"], "argument --steps: expected one argument"),
+    ],
+)
 def test_unknown_preset_or_flag_is_one_line(flags, message):
     """A wrong preset lists the valid ones, a misspelt flag is an error (never
     an abbreviation match), a value of the wrong type names its flag: one
@@ -1650,12 +2451,19 @@ def test_unknown_preset_or_flag_is_one_line(flags, message):
     assert e.value.code == f"dapo: {message}"
 
 
-@pytest.mark.parametrize("flags,names", [(["--bogus"], ["--bogus"]),
-                                         (["--preset", "dapo", "--group_size", "1", "--eps_high", "0.1"],
-                                          ["group_size", "eps_high"])])
+@pytest.mark.parametrize(
+    "flags,names",
+    [
+        (["--bogus"], ["--bogus"]),
+        (
+            ["--preset", "dapo", "--group_size", "1", "--eps_high", "0.1"],
+            ["group_size", "eps_high"],
+        ),
+    ],
+)
 def test_bad_flag_through_dapo_is_one_line(flags, names):
-    """Through dapo.py: stderr is exactly one line naming the flag (every bad value in it), nothing on stdout,
-    a non-zero exit. The bug: argparse's usage block and a multi-line config error."""
+    """Through dapo.py: stderr is exactly one line naming the flag (every bad value in it), nothing
+    on stdout, a non-zero exit. The bug: argparse's usage block and a multi-line config error."""
     p = _run(flags, check=False, env=_console_env())
     assert p.returncode == 1 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
     assert p.stderr.startswith("dapo: ") and all(n in p.stderr for n in names)
@@ -1663,31 +2471,60 @@ def test_bad_flag_through_dapo_is_one_line(flags, names):
 
 def test_presets_and_explicit_flags():
     """Preset < flag; `grpo` is naive GRPO (no dual clip either), each Table 1 row adds exactly one
-    technique to the row above, and `dapo` is the last row as released (overlong filter off, dual clip on)."""
+    technique to the row above, and `dapo` is the last row as released (overlong filter off, dual
+    clip on)."""
     cfg = dapo.parse_config(["--preset", "grpo", "--eps_high", "0.3"])
     assert cfg.eps_high == 0.3 and not cfg.dynamic_sampling and not cfg.token_level_loss
     full = dapo.parse_config(["--preset", "dapo"])
-    assert (full.eps_high, full.dynamic_sampling, full.token_level_loss, full.overlong_buffer_len) == \
-        (0.28, True, True, 4096)
-    assert dapo.parse_config(["--preset", "dapo", "--dynamic_sampling", "false"]).dynamic_sampling is False
-    knobs = ("overlong_filter", "eps_high", "overlong_buffer_len", "token_level_loss", "dynamic_sampling",
-             "dual_clip_c")
-    rows = [dapo.parse_config(["--preset", p]) for p in
-            ("grpo", "grpo+overlong_filter", "grpo+clip_higher", "grpo+soft_overlong", "grpo+token_level")]
+    assert (
+        full.eps_high,
+        full.dynamic_sampling,
+        full.token_level_loss,
+        full.overlong_buffer_len,
+    ) == (0.28, True, True, 4096)
+    assert (
+        dapo.parse_config(["--preset", "dapo", "--dynamic_sampling", "false"]).dynamic_sampling
+        is False
+    )
+    knobs = (
+        "overlong_filter",
+        "eps_high",
+        "overlong_buffer_len",
+        "token_level_loss",
+        "dynamic_sampling",
+        "dual_clip_c",
+    )
+    rows = [
+        dapo.parse_config(["--preset", p])
+        for p in (
+            "grpo",
+            "grpo+overlong_filter",
+            "grpo+clip_higher",
+            "grpo+soft_overlong",
+            "grpo+token_level",
+        )
+    ]
     assert (rows[0].eps_high, rows[0].overlong_buffer_len, rows[0].dual_clip_c) == (0.2, 0, 0)
     for before, after, knob in zip(rows, rows[1:], knobs):
         assert [k for k in knobs if getattr(before, k) != getattr(after, k)] == [knob]
-    assert [k for k in knobs if getattr(rows[-1], k) != getattr(full, k)] == \
-        ["overlong_filter", "dynamic_sampling", "dual_clip_c"]
+    assert [k for k in knobs if getattr(rows[-1], k) != getattr(full, k)] == [
+        "overlong_filter",
+        "dynamic_sampling",
+        "dual_clip_c",
+    ]
 
 
 def test_bad_model_path_is_one_line(tmp_path):
-    """A missing folder, or a model that is not a causal LM, is one line naming it (not a traceback)."""
+    """A missing folder, or a model that is not a causal LM, is one line naming it (not a
+    traceback)."""
     d = dict(rank=0, device=torch.device("cpu"))
     with pytest.raises(SystemExit, match=r"model path '/nonexistent/model' does not exist$"):
         dapo.load_policy(dapo.Config(model="/nonexistent/model"), d)
     from transformers import T5Config
-    T5Config(d_model=8, num_layers=1, num_heads=1, d_kv=8, d_ff=8, vocab_size=10).save_pretrained(tmp_path)
+
+    T5Config(d_model=8, num_layers=1, num_heads=1, d_kv=8, d_ff=8, vocab_size=10).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(SystemExit, match="cannot load .* as a causal LM") as e:
         dapo.load_policy(dapo.Config(model=str(tmp_path)), d)
     assert "\n" not in str(e.value)
@@ -1696,11 +2533,14 @@ def test_bad_model_path_is_one_line(tmp_path):
 def test_remote_code_never_runs_unless_asked(tmp_path):
     """A model repository's own code must not execute by default."""
     marker = tmp_path / "ran"
-    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
-                                      "from transformers import PretrainedConfig\n"
-                                      "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n")
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    (tmp_path / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\n"
+        "from transformers import PretrainedConfig\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}})
+    )
     with pytest.raises(SystemExit, match="cannot load"):
         dapo.load_policy(dapo.Config(model=str(tmp_path)), dict(rank=0, device=torch.device("cpu")))
     assert not marker.exists()
@@ -1710,6 +2550,7 @@ def test_non_finite_update_is_skipped_and_three_stop_the_run(tiny_model):
     """A NaN advantage makes the gradient NaN: the update is skipped (weights
     unchanged) and counted; three steps in a row stop with a clear message."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -1719,9 +2560,12 @@ def test_non_finite_update_is_skipped_and_three_stop_the_run(tiny_model):
     before = [p.detach().clone() for p in model.parameters()]
     d = dict(world=1, rank=0, device=torch.device("cpu"))
     import torch.distributed as dist
+
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    m = dapo.train_step(model, optim, plan, dapo.Config(bf16=False), d, tok)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+    m = _train_step(model, optim, plan, dapo.Config(bf16=False), d, tok)
     assert m["loss/skipped_updates"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     bad = dapo.check_finite(0, m["grad_norms"], 1)
@@ -1736,9 +2580,16 @@ def test_ctrl_c_stops_cleanly_and_saves(tiny_model, tmp_path):
     it is saved and the process exits 0. Guards against a save of a
     half-done step (weights updated, step counter and data position not)."""
     import signal
+
     args = _tiny_args(tiny_model, tmp_path, "--steps", "1000")
-    p = subprocess.Popen([sys.executable, "dapo.py", *args], env=_env(), cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "dapo.py", *args],
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 240
     while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
         time.sleep(0.5)
@@ -1753,30 +2604,39 @@ def test_ctrl_c_stops_cleanly_and_saves(tiny_model, tmp_path):
     assert state["step"] == last and state["data_pos"] == 4 * last
 
 
-
 # data/plot_run.py (a run's figure) and data/results/tables.py (the README's tables)
 
+
 def _script(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
 
 
 def test_plot_run_writes_a_png(tmp_path):
     """The command dapo.py prints at the end draws a committed run into a non-empty PNG."""
-    pytest.importorskip("matplotlib", reason="matplotlib is optional, needed by data/plot_run.py only "
-                                             "(pip install matplotlib; .ci/run installs it)")
+    pytest.importorskip(
+        "matplotlib",
+        reason="matplotlib is optional, needed by data/plot_run.py only "
+        "(pip install matplotlib; .ci/run installs it)",
+    )
     out = tmp_path / "run.png"
     p = _script("data/plot_run.py", "data/ablation/dapo_s1.jsonl", "-o", str(out))
     assert p.returncode == 0, p.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "cannot read: No such file or directory"),
-    ('{"step": 1}\n{"bad json\n', ":2: not a JSON line"),
-    ('{"step": 1}\n\n[1, 2]\n', ":3: not a metrics line")])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read: No such file or directory"),
+        ('{"step": 1}\n{"bad json\n', ":2: not a JSON line"),
+        ('{"step": 1}\n\n[1, 2]\n', ":3: not a metrics line"),
+    ],
+)
 def test_plot_run_bad_file_is_one_line(tmp_path, content, message):
-    """A missing file or a malformed line: exit 1 and one stderr line naming the file and the line, no
-    traceback (with or without matplotlib)."""
+    """A missing file or a malformed line: exit 1 and one stderr line naming the file and the line,
+    no traceback (with or without matplotlib)."""
     path = tmp_path / "metrics.jsonl"
     if content is not None:
         path.write_text(content)
@@ -1792,6 +2652,7 @@ def test_results_tables_cover_every_committed_run():
     p = _script("data/results/tables.py")
     assert p.returncode == 0, p.stderr
     import glob
+
     runs = glob.glob("data/results/*/*.jsonl")
     assert runs and all(f"| `{os.path.basename(r)}` | " in p.stdout for r in runs)
     assert "lscpu flags" in p.stdout and "| dapo | 3 |" in p.stdout
@@ -1809,23 +2670,38 @@ def _read_jsonl(path):
 # network, a few minutes): python -m pytest -q -rs test_dapo.py -k cuda
 # =============================================================================
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; on one: python -m pytest -q -rs "
-                          "test_dapo.py -k cuda (no vLLM, no network, a few minutes)")
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU; on one: python -m pytest -q -rs "
+    "test_dapo.py -k cuda (no vLLM, no network, a few minutes)",
+)
 
 
 @pytest.fixture(scope="session")
 def small_qwen(tmp_path_factory):
-    """A random 2-layer Qwen2 saved in bf16 (tied head, 1,024 words) with a word-level tokenizer: a Hugging
-    Face folder that load_policy reads, made without a network."""
+    """A random 2-layer Qwen2 saved in bf16 (tied head, 1,024 words) with a word-level tokenizer: a
+    Hugging Face folder that load_policy reads, made without a network."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
     path = str(tmp_path_factory.mktemp("small_qwen"))
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1024)}, unk_token="w2"))
-    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w0", eos_token="w1").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w0", eos_token="w1").save_pretrained(
+        path
+    )
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                 max_position_embeddings=1024)).to(torch.bfloat16).save_pretrained(path)
+    Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=1024,
+        )
+    ).to(torch.bfloat16).save_pretrained(path)
     return path
 
 
@@ -1837,52 +2713,82 @@ def _cuda_check(check, model_dir, tmp_path):
 
 @CUDA
 def test_cuda_fsdp2_bf16_with_and_without_offload(small_qwen, tmp_path):
-    """Through load_policy and train_step on one GPU: the process group reduces CPU tensors over gloo and CUDA
-    ones over NCCL; FSDP2 computes in bf16 from fp32 master shards held on the GPU, or pinned in host memory
-    under --offload_optimizer; fused AdamW steps on either, its state beside the shards; two steps of two
-    updates each end at the same weights both ways. Guards against what the gloo tests cannot see: offloaded
-    shards that are unpinned or left on the GPU, fp32 compute, a clip or AdamW step that fails on CPU tensors
-    beside NCCL, an offloaded update that differs."""
+    """Through load_policy and train_step on one GPU: the process group reduces CPU tensors over
+    gloo and CUDA ones over NCCL; FSDP2 computes in bf16 from fp32 master shards held on the GPU, or
+    pinned in host memory under --offload_optimizer; fused AdamW steps on either, its state beside
+    the shards; two steps of two updates each end at the same weights both ways. Guards against what
+    the gloo tests cannot see: offloaded shards that are unpinned or left on the GPU, fp32 compute,
+    a clip or AdamW step that fails on CPU tensors beside NCCL, an offloaded update that differs."""
     r = _cuda_check("fsdp", small_qwen, tmp_path)
-    assert sorted(r["backend"].replace(" ", "").split(",")) == ["cpu:gloo", "cuda:nccl"] and r["sums"] == [1, 1], r
-    assert r["False"] == dict(shards=["cuda"], pinned=False, state=["cuda"], compute=["torch.bfloat16"], skipped=0), r
-    assert r["True"] == dict(shards=["cpu"], pinned=True, state=["cpu"], compute=["torch.bfloat16"], skipped=0), r
-    assert r["moved"] > 1e-3 and r["rel_diff"] < 1e-3, r  # AdamW on CPU and on CUDA round alike to ~1e-7
+    assert sorted(r["backend"].replace(" ", "").split(",")) == ["cpu:gloo", "cuda:nccl"] and r[
+        "sums"
+    ] == [1, 1], r
+    assert r["False"] == dict(
+        shards=["cuda"], pinned=False, state=["cuda"], compute=["torch.bfloat16"], skipped=0
+    ), r
+    assert r["True"] == dict(
+        shards=["cpu"], pinned=True, state=["cpu"], compute=["torch.bfloat16"], skipped=0
+    ), r
+    assert r["moved"] > 1e-3 and r["rel_diff"] < 1e-3, (
+        r
+    )  # AdamW on CPU and on CUDA round alike to ~1e-7
 
 
 @CUDA
 def test_cuda_chunked_lm_head_matches_full_logits(small_qwen, tmp_path):
-    """token_logp under FSDP2's bf16 on a GPU, the LM head 5 tokens at a time (recomputed in backward) against
-    all at once: the same log-probs and gradients, up to bf16 rounding of matmuls of other shapes. Guards
-    against a chunk boundary that shifts or drops a token (an O(1) error) on CUDA's kernels."""
+    """token_logp under FSDP2's bf16 on a GPU, the LM head 5 tokens at a time (recomputed in
+    backward) against all at once: the same log-probs and gradients, up to bf16 rounding of matmuls
+    of other shapes. Guards against a chunk boundary that shifts or drops a token (an O(1) error) on
+    CUDA's kernels."""
     r = _cuda_check("chunk", small_qwen, tmp_path)
     assert r["n_tokens"] % 5 and r["max_logp_diff"] < 0.05 and r["grad_rel_err"] < 0.05, r
 
 
 @CUDA
 def test_cuda_dcp_save_and_resume(small_qwen, tmp_path):
-    """save_checkpoint (hf=False) after one step of two updates, then load_checkpoint into a fresh policy and
-    optimizer, with and without --offload_optimizer: every weight, AdamW moment and step count equal, the step
-    and data position carried over, offloaded shards still pinned. Guards against DCP on CUDA or pinned host
-    tensors beside NCCL losing or reshaping state that the gloo tests keep."""
+    """save_checkpoint (no HF) after one step of two updates, then load_checkpoint into a fresh
+    policy and optimizer, with and without --offload_optimizer: every weight, AdamW moment and step
+    count equal, the step and data position carried over, offloaded shards still pinned. Guards
+    against DCP on CUDA or pinned host tensors beside NCCL losing or reshaping state that the gloo
+    tests keep."""
     r = _cuda_check("dcp", small_qwen, tmp_path)
     for offload in ("False", "True"):
         assert r[offload]["equal"] and r[offload]["n_tensors"] > 20, r
-        assert r[offload]["state"] == dict(step=1, data_pos=8) and r[offload]["pinned"] == (offload == "True"), r
+        assert r[offload]["state"] == dict(step=1, data_pos=8) and r[offload]["pinned"] == (
+            offload == "True"
+        ), r
 
 
 @CUDA
 @pytest.mark.parametrize("shape", ["qwen2.5-0.5b", "qwen2.5-1.5b"])
 def test_cuda_memory_plan_matches_max_memory_allocated(shape, tmp_path):
-    """--estimate_memory 1, run as a user does (the GPU visible), against the same two training micro-steps
-    of a randomly initialised model of Qwen2.5's shape (data/<shape>/config.json) on this GPU, without
-    offload: each phase's peak within 10% of torch.cuda.max_memory_allocated. Guards against a plan that holds
-    only for CPU tensors (the CPU test's reference) while CUDA's kernels, streams or allocator add memory it
-    does not count, and against a simulation that breaks where a GPU is visible."""
-    flags = ["--preset", "dapo", "--model", os.path.join(ROOT, "data", shape), "--rollout_tp", "1",
-             "--offload_optimizer", "false", "--max_prompt_len", "512", "--max_response_len", "3584",
-             "--overlong_buffer_len", "512", "--micro_batch_tokens", "4096"]
-    sim = json.loads(_run([*flags, "--estimate_memory", "1"], timeout=600).stdout.strip().splitlines()[-1])["phases"]
+    """--estimate_memory 1, run as a user does (the GPU visible), against the same two training
+    micro-steps of a randomly initialised model of Qwen2.5's shape (data/<shape>/config.json) on
+    this GPU, without offload: each phase's peak within 10% of torch.cuda.max_memory_allocated.
+    Guards against a plan that holds only for CPU tensors (the CPU test's reference) while CUDA's
+    kernels, streams or allocator add memory it does not count, and against a simulation that breaks
+    where a GPU is visible."""
+    flags = [
+        "--preset",
+        "dapo",
+        "--model",
+        os.path.join(ROOT, "data", shape),
+        "--rollout_tp",
+        "1",
+        "--offload_optimizer",
+        "false",
+        "--max_prompt_len",
+        "512",
+        "--max_response_len",
+        "3584",
+        "--overlong_buffer_len",
+        "512",
+        "--micro_batch_tokens",
+        "4096",
+    ]
+    sim = json.loads(
+        _run([*flags, "--estimate_memory", "1"], timeout=600).stdout.strip().splitlines()[-1]
+    )["phases"]
     _torchrun(1, __file__, "cuda_memory", str(tmp_path / "real.json"), *flags)
     real = json.loads((tmp_path / "real.json").read_text())
     assert sorted(real) == ["train.backward", "train.forward", "train.optimizer"]
@@ -1893,8 +2799,15 @@ def test_cuda_memory_plan_matches_max_memory_allocated(shape, tmp_path):
 def _worker_cuda(check, model_dir, out):
     """One check on one rank: on a GPU (also runs on CPU, gloo only, as a dry run of the code)."""
     import torch.distributed as dist
-    cfg = dapo.Config(model=model_dir, micro_batch_tokens=60, mini_batch_prompts=2, lr=1e-3,
-                      out_dir=os.path.dirname(out), **FEW_RANKS)
+
+    cfg = dapo.Config(
+        model=model_dir,
+        micro_batch_tokens=60,
+        mini_batch_prompts=2,
+        lr=1e-3,
+        out_dir=os.path.dirname(out),
+        **FEW_RANKS,
+    )
     d = dapo.init_distributed(cfg)  # on a GPU: cpu:gloo,cuda:nccl
     r = {}
     if check == "fsdp":
@@ -1907,51 +2820,84 @@ def _worker_cuda(check, model_dir, out):
             c = dataclasses.replace(cfg, offload_optimizer=offload)
             tok, model = dapo.load_policy(c, d)
             shards, seen = [p.to_local() for p in model.parameters()], set()
-            model.model.layers[0].mlp.down_proj.register_forward_pre_hook(  # the weight a matmul sees
-                lambda m, a: seen.add(str(m.weight.dtype)))
+            # the weight a matmul sees
+            down_proj = model.model.layers[0].mlp.down_proj
+            down_proj.register_forward_pre_hook(
+                lambda m, a, seen=seen: seen.add(str(m.weight.dtype))
+            )
             optim = dapo.make_optimizer(model, c)
-            start = {n: t.clone() for n, t in dapo.full_params(model, torch.float32, d["device"], "cpu")}
-            skipped = sum(dapo.train_step(model, optim, dapo.plan_updates(_grad_rows(), c, d), c, d, tok)
-                          ["loss/skipped_updates"] for _ in range(2))
-            state = [t.to_local() for s in optim.state.values() for k, t in s.items() if k != "step"]
-            final[offload] = {n: t.clone() for n, t in dapo.full_params(model, torch.float32, d["device"], "cpu")}
-            r[str(offload)] = dict(shards=sorted({t.device.type for t in shards}), compute=sorted(seen),
-                                   pinned=all(t.is_pinned() for t in shards), skipped=skipped,
-                                   state=sorted({t.device.type for t in state}))
+            start = {
+                n: t.clone() for n, t in dapo.full_params(model, torch.float32, d["device"], "cpu")
+            }
+            skipped = sum(
+                _train_step(model, optim, dapo.plan_updates(_grad_rows(), c, d), c, d, tok)[
+                    "loss/skipped_updates"
+                ]
+                for _ in range(2)
+            )
+            state = [
+                t.to_local() for s in optim.state.values() for k, t in s.items() if k != "step"
+            ]
+            final[offload] = {
+                n: t.clone() for n, t in dapo.full_params(model, torch.float32, d["device"], "cpu")
+            }
+            r[str(offload)] = dict(
+                shards=sorted({t.device.type for t in shards}),
+                compute=sorted(seen),
+                pinned=all(t.is_pinned() for t in shards),
+                skipped=skipped,
+                state=sorted({t.device.type for t in state}),
+            )
         r.update(moved=_rel_err(final[True], start), rel_diff=_rel_err(final[True], final[False]))
     elif check == "chunk":
         tok, model = dapo.load_policy(cfg, d)
-        b = dapo.collate([[s] for g in _grad_rows() for s in g["samples"]], tok.pad_token_id, d["device"])
+        b = dapo.collate(
+            [[s] for g in _grad_rows() for s in g["samples"]], tok.pad_token_id, d["device"]
+        )
         out_ = {}
         for chunk in (5, 0):
             model.zero_grad(set_to_none=True)
             with dapo.cpu_autocast(cfg, d):
                 logp, _ = dapo.token_logp(model, b, 1.0, chunk)
             (logp * b["resp_mask"]).sum().backward()
-            out_[chunk] = logp.detach().float().cpu(), {n: p.grad.full_tensor().float().cpu().clone()
-                                                         for n, p in model.named_parameters()}
-        r.update(max_logp_diff=(out_[5][0] - out_[0][0]).abs().max().item(), n_tokens=int(b["resp_mask"].sum()),
-                 grad_rel_err=_rel_err(out_[5][1], out_[0][1]))
+            out_[chunk] = (
+                logp.detach().float().cpu(),
+                {
+                    n: p.grad.full_tensor().float().cpu().clone()
+                    for n, p in model.named_parameters()
+                },
+            )
+        r.update(
+            max_logp_diff=(out_[5][0] - out_[0][0]).abs().max().item(),
+            n_tokens=int(b["resp_mask"].sum()),
+            grad_rel_err=_rel_err(out_[5][1], out_[0][1]),
+        )
     elif check == "dcp":
         for offload in (False, True):
-            c = dataclasses.replace(cfg, offload_optimizer=offload, out_dir=os.path.join(cfg.out_dir, str(offload)))
+            c = dataclasses.replace(
+                cfg, offload_optimizer=offload, out_dir=os.path.join(cfg.out_dir, str(offload))
+            )
             flat = {}
             for phase in ("save", "load"):
                 model, optim, _, state = _save_or_load(c, d, phase)
                 flat[phase] = _flat_state(model, optim)
-            r[str(offload)] = dict(equal=_equal_states(flat["save"], flat["load"]), state=state,
-                                   n_tensors=sum(torch.is_tensor(v) for v in flat["load"].values()),
-                                   pinned=all(p.to_local().is_pinned() for p in model.parameters()))
+            r[str(offload)] = dict(
+                equal=_equal_states(flat["save"], flat["load"]),
+                state=state,
+                n_tensors=sum(torch.is_tensor(v) for v in flat["load"].values()),
+                pinned=all(p.to_local().is_pinned() for p in model.parameters()),
+            )
     with open(out, "w") as f:
         json.dump(r, f)
     dist.destroy_process_group()
 
 
 def _worker_cuda_memory(out, *flags):
-    """The memory plan's two training micro-steps (one longest sequence) on real CUDA tensors: the peak of
-    each phase from the caching allocator, as estimate_memory marks them."""
+    """The memory plan's two training micro-steps (one longest sequence) on real CUDA tensors: the
+    peak of each phase from the caching allocator, as estimate_memory marks them."""
     import gc
     from transformers import AutoConfig, AutoModelForCausalLM
+
     cfg = dapo.parse_config(list(flags))
     d = dapo.init_distributed(cfg)
     config = AutoConfig.from_pretrained(cfg.model)
@@ -1961,14 +2907,28 @@ def _worker_cuda_memory(out, *flags):
     dapo.shard(model, cfg, d).train()  # bf16 compute on a GPU, as the plan assumes
     optim = dapo.make_optimizer(model, cfg)
     T, R = cfg.max_prompt_len + cfg.max_response_len, cfg.max_response_len
-    b = dapo.collate([[dict(prompt_ids=[0] * (T - R), ids=torch.randint(0, config.vocab_size, (R,)).tolist(),
-                            loss_mask=1.0, adv=1.0, engine_logp=[0.0] * R)]], 0, d["device"])
+    b = dapo.collate(
+        [
+            [
+                dict(
+                    prompt_ids=[0] * (T - R),
+                    ids=torch.randint(0, config.vocab_size, (R,)).tolist(),
+                    loss_mask=1.0,
+                    adv=1.0,
+                    engine_logp=[0.0] * R,
+                )
+            ]
+        ],
+        0,
+        d["device"],
+    )
     peaks = {}
 
     def mark(phase):  # the peak since the last mark
         gc.collect()
         peaks[phase] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
+
     mark("set-up")
     for _ in range(2):  # the second step, the one with AdamW state, as the plan reports
         loss = -dapo.token_logp(model, b, cfg.temperature, cfg.logp_chunk_tokens)[0].mean()
@@ -1986,7 +2946,16 @@ def _worker_cuda_memory(out, *flags):
 
 
 if __name__ == "__main__":  # workers for the multi-process tests above
-    {"grads": _worker_grads, "push": _worker_push, "load": _worker_load, "offload": _worker_offload,
-     "estimate": _worker_estimate, "scripted_main": _worker_scripted_main,
-     "threads": _worker_threads, "reshard": _worker_reshard, "no_engine": _worker_no_engine,
-     "cuda": _worker_cuda, "cuda_memory": _worker_cuda_memory}[sys.argv[1]](*sys.argv[2:])
+    {
+        "grads": _worker_grads,
+        "push": _worker_push,
+        "load": _worker_load,
+        "offload": _worker_offload,
+        "estimate": _worker_estimate,
+        "scripted_main": _worker_scripted_main,
+        "threads": _worker_threads,
+        "reshard": _worker_reshard,
+        "no_engine": _worker_no_engine,
+        "cuda": _worker_cuda,
+        "cuda_memory": _worker_cuda_memory,
+    }[sys.argv[1]](*sys.argv[2:])
