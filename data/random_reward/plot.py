@@ -1,6 +1,6 @@
 """Clip-Higher against entropy collapse with random rewards (data/random_reward/run.sh).
 
-    python data/random_reward/plot.py     # prints the table; draws data/random_reward/random_reward.png
+    python data/random_reward/plot.py   # prints the table; draws random_reward.png beside it
 
 Reads data/random_reward/<config>_s<seed>.jsonl (one metrics line per step, written by dapo.py).
 With rewards that carry no information, entropy can only move through the clip bounds; the table
@@ -9,9 +9,7 @@ the clipped fractions of loss tokens, and the mean pi_old of the upper-clipped t
 of all loss tokens (the paper's Figure 3a).
 """
 
-import collections
-import glob
-import json
+import importlib.util
 import os
 import statistics
 
@@ -26,12 +24,13 @@ LABELS = {
 
 
 def load():
-    runs = collections.defaultdict(dict)  # config -> seed -> [metrics per step]
-    for path in sorted(glob.glob(os.path.join(HERE, "*_s*.jsonl"))):
-        name, seed = os.path.basename(path)[: -len(".jsonl")].rsplit("_s", 1)
-        with open(path) as f:
-            runs[name][int(seed)] = [json.loads(line) for line in f]
-    return runs
+    """Runs by config and seed, read by data/ablation/plot.py's loader."""
+    spec = importlib.util.spec_from_file_location(
+        "ablation_plot", os.path.join(HERE, "..", "ablation", "plot.py")
+    )
+    ablation_plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation_plot)
+    return ablation_plot.load(HERE)
 
 
 def fmt(values, digits=3):
@@ -42,8 +41,8 @@ def fmt(values, digits=3):
 
 def table(runs):
     rows = [
-        "| setting | seeds | entropy, step 1 | entropy, last 3 steps | change | clip low | clip high "
-        "| pi_old of upper-clipped | pi_old of all loss tokens |",
+        "| setting | seeds | entropy, step 1 | entropy, last 3 steps | change | clip low "
+        "| clip high | pi_old of upper-clipped | pi_old of all loss tokens |",
         "|" + " --- |" * 9,
     ]
     for name in [n for n in ORDER if n in runs]:
