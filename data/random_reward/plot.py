@@ -14,13 +14,17 @@ import os
 import statistics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ORDER = ["eps_high_0.2", "eps_high_0.28", "eps_high_0.4", "eps_low_0.1"]
-LABELS = {
+BOUNDS = {
     "eps_high_0.2": "symmetric [0.8, 1.2]",
     "eps_high_0.28": "Clip-Higher [0.8, 1.28]",
     "eps_high_0.4": "[0.8, 1.4]",
     "eps_low_0.1": "lower 0.1: [0.9, 1.2]",
 }
+# with the demo's soft overlong penalty (Eq. 13), then without it (the coin flip alone)
+GROUPS = {"with the overlong penalty": "", "without it (coin flip alone)": "no_penalty_"}
+ORDER = [prefix + name for prefix in GROUPS.values() for name in BOUNDS]
+LABELS = {prefix + name: label + (", no penalty" if prefix else "")
+          for prefix in GROUPS.values() for name, label in BOUNDS.items()}
 
 
 def load():
@@ -78,20 +82,27 @@ def plot(runs, path):
         ("loss/clip_frac_high", "upper-clipped fraction (A > 0)"),
         ("loss/clip_frac_low", "lower-clipped fraction (A < 0)"),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
-    for ax, (key, title) in zip(axes, panels):
-        for name in [n for n in ORDER if n in runs]:
-            seeds = list(runs[name].values())
-            steps = [m["step"] for m in seeds[0]]
-            by_step = [[ms[i][key] for ms in seeds] for i in range(len(steps))]
-            mean = [statistics.mean(v) for v in by_step]
-            line = ax.plot(steps, mean, label=f"{LABELS[name]} ({len(seeds)} seeds)")[0]
-            low = [min(v) for v in by_step]
-            high = [max(v) for v in by_step]
-            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=8)
+    groups = {title: prefix for title, prefix in GROUPS.items()
+              if any(name.startswith(prefix) and name in runs for name in ORDER if prefix)
+              or not prefix}
+    fig, axes = plt.subplots(len(groups), len(panels), figsize=(5 * len(panels), 4 * len(groups)),
+                             squeeze=False)
+    for row, (group, prefix) in enumerate(groups.items()):
+        names = [prefix + name for name in BOUNDS if prefix + name in runs]
+        for ax, (key, title) in zip(axes[row], panels):
+            for name in names:
+                seeds = list(runs[name].values())
+                steps = [m["step"] for m in seeds[0]]
+                by_step = [[ms[i][key] for ms in seeds] for i in range(len(steps))]
+                mean = [statistics.mean(v) for v in by_step]
+                label = f"{BOUNDS[name[len(prefix):]]} ({len(seeds)} seeds)"
+                line = ax.plot(steps, mean, label=label)[0]
+                low = [min(v) for v in by_step]
+                high = [max(v) for v in by_step]
+                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+            ax.set_title(f"{title}, {group}", fontsize=9)
+            ax.set_xlabel("step")
+        axes[row][0].legend(fontsize=8)
     fig.suptitle("Random rewards (+-1, p = 1/2): what the clip bounds alone do; mean, min-max")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
