@@ -46,7 +46,7 @@ def tagged(fn, phase, after=None):
     return run
 
 
-dapo.collect_groups = tagged(dapo.collect_groups, "rollout")
+dapo.generate = tagged(dapo.generate, "rollout")
 dapo.token_logp = tagged(dapo.token_logp, "forward", after="backward")  # the loss and backward follow it
 dapo.push_weights = tagged(dapo.push_weights, "push")
 dapo.evaluate = tagged(dapo.evaluate, "eval")
@@ -54,8 +54,8 @@ torch.nn.utils.clip_grad_norm_ = tagged(torch.nn.utils.clip_grad_norm_, "clip", 
 _log = dapo.log_metrics
 
 
-def log_metrics(cfg, d, metrics, bar, track):
-    _log(cfg, d, metrics, bar, track)
+def log_metrics(cfg, logger, metrics):
+    _log(cfg, logger, metrics)
     state["step"] = metrics["step"] + 1
 
 

@@ -45,7 +45,7 @@ if __name__ == "__main__":
         "--max_response_len 64 --overlong_buffer_len 16 --dynamic_sampling false --mini_batch_prompts 8 "
         "--eval_every 0 --save_every 0 --out_dir runs/shape_caches".split())
     dapo.quiet_libraries(cfg)
-    cfg, d, tok, model, train_set, eval_set, engine = dapo.start(cfg)
+    d, tok, model, train_set, eval_set, engine = dapo.start(cfg)
     optim, score = dapo.make_optimizer(model, cfg), functools.partial(dapo.score_groups, tok=tok, cfg=cfg)
     steps = []
     n, g = cfg.prompts_per_step, cfg.group_size
@@ -58,6 +58,8 @@ if __name__ == "__main__":
     for tag, groups in [(f"update {i} (new shapes)", g) for i, g in enumerate(steps)] + \
                        [(f"update {i} (seen)", g) for i, g in enumerate(steps[:3])]:
         t0 = time.time()
-        dapo.train_step(model, optim, dapo.plan_updates(groups, cfg, d), cfg, d, tok)
+        for mini_batch in dapo.plan_updates(groups, cfg, d):  # one: mini_batch_prompts = B
+            dapo.accumulate_grads(model, mini_batch, cfg, d, tok.pad_token_id, {}, on_policy=True)
+            dapo.clip_and_step(model, optim, cfg)
         report(f"{tag} {time.time() - t0:4.1f} s")
     dapo.close(engine)
