@@ -20,15 +20,14 @@ changes relative to GRPO (§2.3), each a config field that turns it off:
 Also from the released recipe: dual-clip (c = 10) for negative advantages. `--preset`
 names Table 1's rows. `train()` is Algorithm 1, its ten lines labelled (`# line N`).
 
-The file has two parts. Part 1, DAPO, is this map, the config, the maths as small pure
-functions, and the training loop. Part 2, the machinery (processes, data, FSDP2, vLLM,
-log-probs, evaluation, checkpoints, memory plan, logging), starts at its banner; a
-reader with the paper may stop there.
+The file has two parts. Part 1, DAPO, is this map, the config, the data of a step, the
+maths as small pure functions, the update and the training loop. Part 2, the machinery
+(processes, data, FSDP2, vLLM, log-probs, evaluation, checkpoints, logging), starts at
+its banner; a reader with the paper may stop there.
 
 Run:
     python dapo.py                        # no GPU: the CPU demo; one GPU: --preset dapo_1.5b
     python dapo.py --preset dapo_1.5b --offload_optimizer false   # one GPU of 80 GB
-    python dapo.py --preset dapo --model Qwen/Qwen2.5-7B --rollout_tp 1   # one GPU (80 GB)
     torchrun --nproc_per_node 8 dapo.py --model Qwen/Qwen2.5-32B   # one node (8 x 80 GB)
     torchrun --nproc_per_node 8 dapo.py --preset dapo_7b           # one node, Qwen2.5-Math-7B
     python dapo.py --preset dapo --estimate_memory 8               # the 32B run's memory plan
@@ -130,26 +129,35 @@ class Config:
     hf_export: str = opt("end", "HF folder in 'every' checkpoint or the 'end' one")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
+    report_to: str = opt("", "also log to wandb, tensorboard or both ('wandb,tensorboard')")
     verbose: bool = opt(False, "show vLLM's and transformers' own logs")
     estimate_memory: int = opt(0, "print the per-GPU memory on N GPUs and exit (no GPU)")
     gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory, GiB")
     seed: int = opt(0, "seed for data order, engine sampling and torch")
 
 
-# Naive GRPO: none of §3's techniques, no dual clip.
-GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlong_filter=False)
-GRPO.update(overlong_buffer_len=0, dual_clip_c=0.0)
-# Table 1's rows, each adding one technique to the row above; then other models and the demo.
+# Table 1's rows (AIME 2024 avg@32 in the paper), each one change to the row above.
+# Row 1, naive GRPO (30): none of §3's techniques, and no dual clip.
+GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlong_filter=False,
+            overlong_buffer_len=0, dual_clip_c=0.0)
+# Row 2 (36): + overlong filtering (§3.4).
+OVERLONG_FILTER = dict(GRPO, overlong_filter=True)
+# Row 3 (38): + Clip-Higher (§3.1), eps_high 0.2 -> 0.28.
+CLIP_HIGHER = dict(OVERLONG_FILTER, eps_high=0.28)
+# Row 4 (41): + soft overlong punishment (§3.4, Eq. 13), a 4,096-token buffer.
+SOFT_OVERLONG = dict(CLIP_HIGHER, overlong_buffer_len=4096)
+# Row 5 (42): + token-level loss (§3.3, Eq. 12).
+TOKEN_LEVEL = dict(SOFT_OVERLONG, token_level_loss=True)
+# Row 6, DAPO (50), as the released script runs it: row 5 + dynamic sampling (§3.2), and two
+# more: the overlong filter off and dual clip (c = 10) on. Config's defaults are this row.
+DAPO = dict(TOKEN_LEVEL, dynamic_sampling=True, overlong_filter=False, dual_clip_c=10.0)
 PRESETS = {
     "grpo": GRPO,
-    "grpo+overlong_filter": dict(GRPO, overlong_filter=True),
-    "grpo+clip_higher": dict(GRPO, overlong_filter=True, eps_high=0.28),
-    "grpo+soft_overlong": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096),
-    "grpo+token_level": dict(
-        GRPO, overlong_filter=True, eps_high=0.28, overlong_buffer_len=4096, token_level_loss=True
-    ),
-    # Table 1's last row (+ dynamic sampling) as released: overlong filter off, dual clip on.
-    "dapo": {},
+    "grpo+overlong_filter": OVERLONG_FILTER,
+    "grpo+clip_higher": CLIP_HIGHER,
+    "grpo+soft_overlong": SOFT_OVERLONG,
+    "grpo+token_level": TOKEN_LEVEL,
+    "dapo": DAPO,
     # The anchors' one-node model, in its own 4,096-token window (1,024 + 3,072).
     "dapo_7b": dict(
         model="Qwen/Qwen2.5-Math-7B", max_prompt_len=1024, max_response_len=3072,
@@ -176,17 +184,31 @@ PRESETS = {
     ),
 }
 
-# --- One step, as data. A sample is one dict; its keys, in the order written:
-#   ids          list[int], n    response token ids, never re-tokenised      generate
-#   finish       'stop' | 'length' (truncated at max_response_len)            generate
-#   engine_logp  list[float], n  log-prob it was sampled with (temp., top-p)  generate
-#   score        float           Eq. 7 reward, +1 or -1                       score_groups
-#   penalty      float <= 0      Eq. 13 soft overlong penalty                 score_groups
-#   prompt_ids   list[int]       its prompt's token ids                       prepare_samples
-#   adv          float           Eq. 9 advantage of score + penalty           prepare_samples
-#   loss_mask    1.0 | 0.0       0: no loss tokens (overlong filter)          prepare_samples
-#   old_logp     tensor (n,)     log-prob before this step's updates          old_log_probs
-# A group is dict(idx, prompt_ids, samples=[G samples]). Shapes: B prompts, G samples each.
+# --- One step, as data (B prompts, G samples each; n tokens a response) ---
+
+
+@dataclass
+class Sample:
+    """One response. Each field is set once, by the step named on its right."""
+    ids: list  # (n,) response token ids, never re-tokenised                  line 4
+    finish: str  # 'stop', or 'length': truncated at max_response_len           line 4
+    engine_logp: list  # (n,) log-probs it was sampled with (temp., top-p)      line 4
+    score: float = 0.0  # Eq. 7 reward, +1 or -1                                line 5
+    penalty: float = 0.0  # Eq. 13 soft overlong penalty, <= 0                  line 5
+    adv: float = 0.0  # Eq. 9 advantage of score + penalty                      line 8
+    loss_mask: float = 1.0  # 0.0: no loss tokens (overlong filter, §3.4)       line 8
+    old_logp: torch.Tensor = None  # (n,) pi_old's log-probs, when mu > 1       pi_old pass
+
+
+@dataclass
+class Group:
+    """One prompt and its G samples, as line 4 makes it."""
+    idx: int  # the prompt's row in the data set
+    pos: int  # its place in the shuffled prompt stream (seeds its sampling)
+    prompt_ids: list  # its token ids, chat template applied
+    answer: str  # the ground truth reward.py checks against
+    samples: list  # G Samples
+    informative: bool = None  # Eq. 11's verdict: 0 < #correct < G              line 6
 
 # --- §2.4 reward (Eq. 7) and §3.4 soft overlong punishment (Eq. 13) ---
 
@@ -202,24 +224,19 @@ def overlong_penalty(length, max_len, buffer_len, factor=1.0):
     return -factor * min(max(excess, 0.0), 1.0)
 
 
-def score_groups(prompts, samples, tok, cfg):
-    """Algorithm 1's line 5: the reward (Eq. 7) and the overlong penalty (Eq. 13) of every
-    sample. prompts: B examples; samples: B lists of G samples. Returns B groups."""
-    groups = []
-    for example, group in zip(prompts, samples):
-        texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
-        for index, (sample, text) in enumerate(zip(group, texts)):
+def score_groups(groups, tok, cfg):
+    """Algorithm 1's line 5: sets each sample's reward (Eq. 7) and overlong penalty (Eq. 13)."""
+    for group in groups:
+        texts = tok.batch_decode([s.ids for s in group.samples], skip_special_tokens=True)
+        for index, (sample, text) in enumerate(zip(group.samples, texts)):
             # Eq. 7; --reward_mode random is an experiment: +-1 at random, whatever the text
             if cfg.reward_mode == "random":
-                sample["score"] = reward.random_score(cfg.seed, example["pos"], index)
+                sample.score = reward.random_score(cfg.seed, group.pos, index)
             else:
-                sample["score"] = reward.compute_score(text, example["answer"], cfg.reward_mode)
+                sample.score = reward.compute_score(text, group.answer, cfg.reward_mode)
             # Eq. 13
-            sample["penalty"] = overlong_penalty(len(sample["ids"]), cfg.max_response_len,
-                                                 cfg.overlong_buffer_len,
-                                                 cfg.overlong_penalty_factor)
-        groups.append(dict(idx=example["idx"], prompt_ids=example["prompt_ids"], samples=group))
-    return groups
+            sample.penalty = overlong_penalty(len(sample.ids), cfg.max_response_len,
+                                              cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
 
 
 # --- §3.2 dynamic sampling (Eq. 11) ---
@@ -245,23 +262,30 @@ def group_advantages(rewards, group_size, eps=1e-6):
     return ((by_group - mean) / (std + eps)).view(-1)
 
 
-def prepare_samples(kept, cfg):
-    """Algorithm 1's line 8: each sample's advantage (Eq. 9) of its shaped reward (Eq. 7 +
+def assign_advantages(groups, eps, overlong_filter):
+    """Algorithm 1's line 8: sets each sample's advantage (Eq. 9) of its shaped reward (Eq. 7 +
     Eq. 13), and its loss mask: 0 for a truncated sample under overlong filtering (§3.4)."""
-    samples = [dict(s, prompt_ids=g["prompt_ids"]) for g in kept for s in g["samples"]]
-    shaped = torch.tensor([s["score"] + s["penalty"] for s in samples])
-    advantages = group_advantages(shaped, cfg.group_size, cfg.adv_eps).tolist()
+    samples = [s for g in groups for s in g.samples]
+    shaped = torch.tensor([s.score + s.penalty for s in samples])
+    advantages = group_advantages(shaped, len(groups[0].samples), eps).tolist()
     for sample, adv in zip(samples, advantages):
-        sample["adv"] = adv
-        truncated = sample["finish"] == "length"
-        sample["loss_mask"] = 1.0
-        if cfg.overlong_filter and truncated:
-            sample["loss_mask"] = 0.0
-    G = cfg.group_size
-    return [dict(g, samples=samples[i * G : (i + 1) * G]) for i, g in enumerate(kept)]
+        sample.adv = adv
+        if overlong_filter and sample.finish == "length":
+            sample.loss_mask = 0.0
 
 
 # --- §3.1 Clip-Higher (Eq. 10) and §3.3 token-level loss (Eq. 12), inside Eq. 8 ---
+
+
+def loss_denominators(mini_batch):
+    """Eq. 12's denominator, sum_i |o_i| over loss tokens, and Eq. 5's, the samples with any,
+    of a WHOLE mini-batch (its groups; every rank holds them all), the same for each of its
+    micro-batches on every rank: so the losses of any split add up to the unsplit loss and every
+    token weighs the same (the released run divided per micro-batch)."""
+    samples = [s for group in mini_batch for s in group.samples]
+    n_tokens = sum(s.loss_mask * len(s.ids) for s in samples)
+    n_samples = sum(1 for s in samples if s.loss_mask > 0)
+    return n_tokens, n_samples
 
 
 def policy_loss(
@@ -270,11 +294,8 @@ def policy_loss(
 ):
     """Minus Eq. 8's objective, for the samples of one micro-batch.
 
-    logp, old_logp, loss_mask, engine_logp: (N, T); adv: (N,).
-    n_tokens and n_samples are the loss tokens and the samples with any, counted over the
-    WHOLE mini-batch (every micro-batch on every rank; plan_updates sums them). Divided by
-    those, the losses of any split of a mini-batch add up to the unsplit loss, so every token
-    weighs the same however the update is split.
+    logp, old_logp, loss_mask, engine_logp: (N, T); adv: (N,). n_tokens and n_samples: the
+    whole mini-batch's (loss_denominators).
     Returns the loss and sums over loss tokens for the logs: clipped low, clipped high, the
     clipped-high tokens' pi_old (Figure 3a), importance weights, capped weights.
     """
@@ -316,30 +337,83 @@ def policy_loss(
     return loss, stats
 
 
+# --- The update (Algorithm 1, lines 9-10): the gradient of Eq. 8, AdamW (§4.1) ---
+
+
+def policy_gradient(model, micro_batches, denominators, cfg, layout, pad_id, on_policy, sums):
+    """Line 10's gradient: minus Eq. 8 over one mini-batch, accumulated over this rank's
+    micro-batches (FSDP2 sums the ranks'); this rank's sums for the logs go into `sums`.
+    on_policy: the step's only update, where pi_old is the current policy."""
+    n_tokens, n_samples = denominators
+    for rows in micro_batches:
+        batch, logp, entropy = micro_batch_logp(model, rows, cfg, layout, pad_id)
+        # pi_old. With mu > 1, the no-grad pass's log-probs (the policy before this step's
+        # first update). With one update the policy has not moved since line 3 set pi_old:
+        # its log-probs are these, detached (the same numbers, no second pass).
+        if on_policy:
+            old_logp = logp.detach()
+        else:
+            old_logp = batch["old_logp"]
+        loss, stats = policy_loss(
+            logp, old_logp, batch["adv"], batch["loss_mask"], eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss,
+            n_tokens=n_tokens, n_samples=n_samples, engine_logp=batch["engine_logp"],
+            is_cap=cfg.rollout_is_cap,
+        )
+        # FSDP2 averages gradients over ranks, but this loss is already a mean over every
+        # rank's tokens (its denominators span them all): the world size undoes the average.
+        (loss * layout.world).backward()
+        add_sums(sums, stats, batch, loss, entropy, old_logp)
+
+
+def make_optimizer(model, cfg):
+    """AdamW (§4.1); fused: no model-sized temporary in the step."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             fused=True)
+
+
+def warmup_factor(step, warmup_steps):
+    """The lr's factor after `step` rollout steps: linear warm-up from lr / warmup_steps (§4.1)."""
+    if warmup_steps == 0:
+        return 1.0
+    return min(1.0, (step + 1) / warmup_steps)
+
+
+def clip_and_step(model, optim, cfg):
+    """Line 10's step: clip the gradient norm, one AdamW step (none if the norm is not finite)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    # a DTensor under FSDP2: every rank's shards make up the norm
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if torch.isfinite(grad_norm):
+        optim.step()
+    optim.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
 # --- Algorithm 1: the training loop ---
 
 
-def train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger):
-    """Algorithm 1, one rollout step per iteration, its lines labelled. Every rank runs it:
-    each data-parallel group (the ranks of one vLLM engine) samples its share of a round's
-    prompts, every rank then holds all groups and keeps the same ones, and FSDP2 shards the
-    update over all ranks."""
+def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
+    """Algorithm 1, one rollout step per iteration, its lines labelled. Every rank runs it: each
+    data-parallel group (one vLLM engine's ranks) samples its share of a round's prompts, every
+    rank then holds all groups and keeps the same ones, and FSDP2 shards the update."""
     optim = make_optimizer(model, cfg)
-    # Linear warm-up over rollout steps from lr / warmup_steps, then constant (§4.1).
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, functools.partial(warmup_factor, warmup_steps=cfg.warmup_steps)
     )
-    state = resume_from_checkpoint(cfg, dist_info, model, optim, sched, engine)
+    state = resume_from_checkpoint(cfg, layout, model, optim, sched, engine)
     # A resumed policy is not the one the engine loaded: line 3 pushes it.
     engine_stale = state["step"] > 0
     prompts_per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
+    pad_id = tok.pad_token_id
     bad_updates = 0
-    stop_requested = catch_ctrl_c(dist_info)
+    stop_requested = catch_ctrl_c(layout)
 
     while state["step"] < cfg.steps:  # line 1
         step = state["step"] + 1
-        metrics = {"step": step, "loss/lr": sched.get_last_lr()[0], "perf/push_s": 0.0}
         t_step = time.time()
+        times = {"perf/push_s": 0.0}
         reset_peak_memory()
 
         # Lines 2-7: rounds of sampling until B groups pass Eq. 11's filter (§3.2).
@@ -354,93 +428,88 @@ def train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger):
             # last update left, in place (later rounds of a step find it current). The
             # trainer's pi_old log-probs come from the same weights, before line 9.
             if engine_stale:
-                with timed(metrics, "perf/push_s"):
-                    push_weights(model, engine, cfg, dist_info)
+                with timed(times, "perf/push_s"):
+                    push_weights(model, engine, cfg, layout)
                 engine_stale = False
             # line 4: G samples of each of this data-parallel group's prompts, seeded by the
             # prompt's stream position (a resumed run samples the same)
-            my_prompts = prompts[dist_info["dp_rank"] :: dist_info["n_dp"]]
-            with timed(metrics, "perf/rollout_s"):
+            my_prompts = prompts[layout.dp_rank :: layout.n_dp]
+            with timed(times, "perf/rollout_s"):
                 prompt_ids = [p["prompt_ids"] for p in my_prompts]
                 samples = generate(engine, prompt_ids, cfg.group_size, cfg.max_response_len,
                                    cfg.temperature, cfg.top_p, rollout_seeds(my_prompts, cfg))
+            groups = [Group(**prompt, samples=group) for prompt, group in zip(my_prompts, samples)]
             # line 5: rewards (Eq. 7) and overlong penalties (Eq. 13)
-            with timed(metrics, "perf/reward_s"):
-                groups = score_groups(my_prompts, samples, tok, cfg)
+            with timed(times, "perf/reward_s"):
+                score_groups(groups, tok, cfg)
             # every data-parallel group's groups, in stream order, on every rank
-            groups = gather_groups(groups, dist_info)
+            groups = gather_groups(groups, layout)
             sampled += groups
-            # line 6: Eq. 11's filter; the groups that pass go into the buffer
-            correct = torch.tensor([s["score"] > 0 for g in groups for s in g["samples"]])
-            keep = dynamic_sampling_mask(correct, cfg.group_size).tolist()
-            if not cfg.dynamic_sampling:
-                keep = [True] * len(groups)
-            kept += [group for group, k in zip(groups, keep) if k]
+            # line 6: Eq. 11's verdict on each group; those that pass go into the buffer
+            correct = torch.tensor([s.score > 0 for g in groups for s in g.samples])
+            verdicts = dynamic_sampling_mask(correct, cfg.group_size).tolist()
+            for group, informative in zip(groups, verdicts):
+                group.informative = informative
+            if cfg.dynamic_sampling:
+                kept += [group for group in groups if group.informative]
+            else:
+                kept += groups
             # line 7: a full buffer ends the rounds
             if len(kept) >= cfg.prompts_per_step:
                 break
         # The surplus of the last round is trimmed, the same on every rank.
         kept = kept[: cfg.prompts_per_step]
         # At the round cap the released run raised; here it warns and trains on what it has.
-        if len(kept) < cfg.prompts_per_step and dist_info["rank"] == 0:
+        if len(kept) < cfg.prompts_per_step and layout.rank == 0:
             outcome = "training on those" if kept else "skipping the update"
             warnings.warn(
                 f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
                 f"{rounds} rounds; {outcome}",
                 stacklevel=1,
             )
-        metrics.update(rollout_metrics(sampled, kept, rounds, cfg, dist_info, metrics))
+        metrics = {"step": step, "loss/lr": sched.get_last_lr()[0]}
+        metrics.update(rollout_metrics(sampled, kept, rounds, layout, times["perf/rollout_s"]))
 
         if kept:
             fault_point("step", step)
-            sleep_engine(engine, cfg, dist_info)
+            sleep_engine(engine, cfg, layout)
             # line 8: advantages (Eq. 9) of the shaped rewards, loss masks (§3.4)
-            groups = prepare_samples(kept, cfg)
-            # Mini-batches of mini_batch_prompts groups, each split over ranks and
-            # micro-batches, with Eq. 12's denominators summed over all of them.
-            plan = plan_updates(groups, cfg, dist_info)
-            mu = len(plan)
-            # pi_old's log-probs (line 3's trainer side): one no-grad pass before the first
-            # update. With a single update the policy has not moved when the loss is
-            # computed, so old_logp = logp.detach() there, the same number (no pass).
-            with timed(metrics, "perf/old_logp_s"):
-                if mu > 1:
-                    old_log_probs(model, plan, cfg, dist_info, tok.pad_token_id)
+            assign_advantages(kept, cfg.adv_eps, cfg.overlong_filter)
+            # mu: one update per mini-batch of mini_batch_prompts groups (§4.1: 512 / 32 = 16);
+            # fewer if the round cap left the buffer short
+            mu = math.ceil(len(kept) / cfg.mini_batch_prompts)
+            size = cfg.mini_batch_prompts
+            mini_batches = [kept[i * size : (i + 1) * size] for i in range(mu)]
+            # each mini-batch as this rank's micro-batches (forward passes): machinery
+            plan = [rank_micro_batches(mini_batch, cfg, layout) for mini_batch in mini_batches]
+            # pi_old's log-probs (line 3's trainer side): with mu > 1, one no-grad pass before
+            # the first update; with mu = 1, policy_gradient takes the detached log-probs.
+            on_policy = mu == 1
+            with timed(times, "perf/old_logp_s"):
+                if not on_policy:
+                    old_log_probs(model, plan, cfg, layout, pad_id)
             sums = {}
             grad_norms = []
-            with timed(metrics, "perf/update_s"):
-                for i, mini_batch in enumerate(plan):  # line 9: mu updates (§4.1: 16)
+            with timed(times, "perf/update_s"):
+                for i in range(mu):  # line 9: mu updates
                     progress(logger, f"update {i + 1}/{mu}")
-                    accumulate_grads(model, mini_batch, cfg, dist_info, tok.pad_token_id, sums,
-                                     on_policy=mu == 1)
-                    # line 10: one AdamW step on the mini-batch's gradient of Eq. 8
+                    denominators = loss_denominators(mini_batches[i])
+                    # line 10: the mini-batch's gradient of Eq. 8, one AdamW step
+                    policy_gradient(model, plan[i], denominators, cfg, layout, pad_id, on_policy,
+                                    sums)
                     grad_norms.append(clip_and_step(model, optim, cfg))
-            metrics.update(update_metrics(sums, grad_norms, metrics, dist_info))
+            metrics.update(update_metrics(sums, grad_norms, layout, times["perf/update_s"]))
             bad_updates = check_finite(bad_updates, grad_norms, step)
             engine_stale = True
         sched.step()
         state["step"] = step
-
-        if cfg.eval_every and step % cfg.eval_every == 0:
-            # The evaluation samples from the updated policy: push it now (line 3 then skips).
-            if engine_stale:
-                with timed(metrics, "perf/push_s"):
-                    push_weights(model, engine, cfg, dist_info)
-                engine_stale = False
-            progress(logger, "evaluating")
-            metrics.update(evaluate(cfg, dist_info, engine, tok, eval_set, step))
-        # All ranks stop at the same step (a collective), after saving it.
-        stopping = all_reduce([len(stop_requested)], dist_info)[0] > 0
-        if stopping or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)):
-            progress(logger, "saving")
-            final = stopping or step == cfg.steps
-            save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final)
-        metrics["perf/step_s"] = time.time() - t_step
-        metrics.update(memory_metrics(dist_info))
-        log_metrics(cfg, logger, metrics)
+        metrics.update(times)
+        # The step's end: evaluation (its push first), the stop check, checkpoint, logs.
+        engine_stale, stopping = finish_step(
+            cfg, layout, model, optim, sched, tok, engine, eval_set, logger, state, metrics,
+            t_step, engine_stale, stop_requested,
+        )
         if stopping:
-            if dist_info["rank"] == 0:
-                print(f"dapo: interrupted after step {step}", flush=True)
             break
     return state
 
@@ -557,6 +626,13 @@ def validate(cfg):
     check(cfg.estimate_memory >= 0 and cfg.estimate_memory % max(cfg.rollout_tp, 1) == 0,
           f"estimate_memory ({cfg.estimate_memory}) must be 0 or a multiple of "
           f"rollout_tp ({cfg.rollout_tp})")
+    # each tracker's package, before any model loads
+    import importlib.util
+    for name in tracker_names(cfg.report_to):
+        check(name in ("tensorboard", "wandb"),
+              f"report_to {name!r} is not one of: tensorboard, wandb")
+        check(name not in ("tensorboard", "wandb") or importlib.util.find_spec(name),
+              f"report_to {name} needs the {name} package: pip install {name}")
     if errors:
         raise SystemExit("dapo: invalid config: " + "; ".join(errors))
 
@@ -564,9 +640,21 @@ def validate(cfg):
 # --- Processes and ranks: the same file runs under `python` and `torchrun` ---
 
 
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place: world ranks in engines of tp, each engine one data-parallel group."""
+
+    rank: int
+    world: int
+    tp: int
+    dp_rank: int  # this rank's engine, 0 .. n_dp - 1
+    n_dp: int  # engines (data-parallel groups of the rollout)
+    device: torch.device
+
+
 def init_distributed(cfg):
     """One process group always (vLLM's external_launcher and FSDP2 expect one), with a gloo
-    side on GPU for offloaded CPU tensors. Returns dist_info: this rank's place in the layout."""
+    side on GPU for offloaded CPU tensors. Returns this rank's Layout."""
     if "RANK" not in os.environ:
         import socket
         with socket.socket() as free_socket:
@@ -590,29 +678,30 @@ def init_distributed(cfg):
     torch.manual_seed(cfg.seed + rank)
     device = torch.device("cuda") if cuda else torch.device("cpu")
     # An engine spans tp ranks; each engine is one data-parallel group of the rollout.
-    return dict(rank=rank, world=world, tp=tp, dp_rank=rank // tp, n_dp=world // tp, device=device)
+    return Layout(rank=rank, world=world, tp=tp, dp_rank=rank // tp, n_dp=world // tp,
+                  device=device)
 
 
-def all_reduce(values, dist_info, op=dist.ReduceOp.SUM):
+def all_reduce(values, layout, op=dist.ReduceOp.SUM):
     """Reduce a list of numbers over ranks (every rank calls it at the same point)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=dist_info["device"])
+    tensor = torch.tensor(values, dtype=torch.float64, device=layout.device)
     dist.all_reduce(tensor, op=op)
     return tensor.tolist()
 
 
-def gather_dp(obj, dist_info):
+def gather_dp(obj, layout):
     """Every data-parallel group's object, in DP order, on every rank (an engine's first sends)."""
-    out = [None] * dist_info["world"]
-    sent = obj if dist_info["rank"] % dist_info["tp"] == 0 else None
+    out = [None] * layout.world
+    sent = obj if layout.rank % layout.tp == 0 else None
     dist.all_gather_object(out, sent)
-    return out[:: dist_info["tp"]]
+    return out[:: layout.tp]
 
 
-def gather_groups(my_groups, dist_info):
+def gather_groups(my_groups, layout):
     """A round's groups from every data-parallel group, back in stream order (group i was
     sampled by DP rank i % n_dp), on every rank. A collective: all ranks, every round."""
-    parts = gather_dp(my_groups, dist_info)
-    n_dp = dist_info["n_dp"]
+    parts = gather_dp(my_groups, layout)
+    n_dp = layout.n_dp
     total = sum(len(part) for part in parts)
     return [parts[i % n_dp][i // n_dp] for i in range(total)]
 
@@ -738,7 +827,7 @@ def rollout_seeds(prompts, cfg):
 # --- Policy: built on meta, sharded with FSDP2, rank 0's checkpoint broadcast ---
 
 
-def load_policy(cfg, dist_info):
+def load_policy(cfg, layout):
     """Tokenizer and the FSDP2-sharded fp32 policy, built on meta; rank 0 alone reads the
     checkpoint, broadcast a tensor at a time: no rank holds a full fp32 copy (130 GB at 32B)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -750,14 +839,14 @@ def load_policy(cfg, dist_info):
     full = {}
     try:
         config = AutoConfig.from_pretrained(cfg.model, **remote)
-        check_layout(config, dist_info["tp"], dist_info["world"])
+        check_layout(config, layout.tp, layout.world)
         tok = AutoTokenizer.from_pretrained(cfg.model, **remote)
         # sdpa: takes collate's boolean masks
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      attn_implementation="sdpa", **remote)
         # In the checkpoint's dtype: the copy upcasts to fp32 exactly.
-        if dist_info["rank"] == 0:
+        if layout.rank == 0:
             full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto", **remote)
             full = full.state_dict()
     except (OSError, ValueError, KeyError) as e:
@@ -765,9 +854,9 @@ def load_policy(cfg, dist_info):
         raise SystemExit(f"dapo: cannot load {cfg.model!r} as a causal LM: {first_line}") from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    shard(model, cfg, dist_info)
+    shard(model, cfg, layout)
     # This rank's shards only.
-    device = "cpu" if cfg.offload_optimizer else dist_info["device"]
+    device = "cpu" if cfg.offload_optimizer else layout.device
     model.to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
@@ -778,7 +867,7 @@ def load_policy(cfg, dist_info):
     for module in model.modules():
         if "RotaryEmbedding" in type(module).__name__:
             model._init_weights(module)
-            module.to(dist_info["device"])
+            module.to(layout.device)
     return tok, model
 
 
@@ -812,13 +901,13 @@ def dither_bf16_(x):
     x.add_((2 * torch.rand_like(x) - 1) * 0.999 * half_ulp * on_grid)
 
 
-def shard(model, cfg, dist_info, bf16_params=None):
+def shard(model, cfg, layout, bf16_params=None):
     """FSDP2 units: each decoder layer, then the root; bf16 params by default on GPU with bf16."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    cuda = dist_info["device"].type == "cuda"
+    cuda = layout.device.type == "cuda"
     if bf16_params is None:
         bf16_params = cuda and cfg.bf16
     kwargs = {}
@@ -836,10 +925,10 @@ def shard(model, cfg, dist_info, bf16_params=None):
 # --- Rollout (Algorithm 1, line 4): vLLM inside each training process ---
 
 
-def make_engine(cfg, dist_info):
+def make_engine(cfg, layout):
     """vLLM in this rank's process (external_launcher), tensor-parallel over its DP group."""
     from vllm import LLM
-    cuda = dist_info["device"].type == "cuda"
+    cuda = layout.device.type == "cuda"
     kwargs = dict(gpu_memory_utilization=cfg.engine_mem)
     if cfg.engine_kv_cache_gb > 0:
         kwargs = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30))
@@ -858,8 +947,8 @@ def make_engine(cfg, dist_info):
     # temperature and top-p (what the tokens were drawn from); eager, since CUDA graphs would
     # stay on the GPU while the engine sleeps.
     engine = LLM(
-        model=cfg.model, tensor_parallel_size=dist_info["tp"], dtype=dtype,
-        distributed_executor_backend="external_launcher", seed=cfg.seed + dist_info["dp_rank"],
+        model=cfg.model, tensor_parallel_size=layout.tp, dtype=dtype,
+        distributed_executor_backend="external_launcher", seed=cfg.seed + layout.dp_rank,
         max_model_len=cfg.max_prompt_len + cfg.max_response_len,
         enable_sleep_mode=cuda and cfg.engine_sleep, trust_remote_code=cfg.trust_remote_code,
         logprobs_mode="processed_logprobs", use_tqdm_on_load=False, enforce_eager=True, **kwargs,
@@ -870,8 +959,8 @@ def make_engine(cfg, dist_info):
 
 
 def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
-    """n responses to each prompt: per prompt, n dicts of token ids (never re-tokenised), finish
-    reason and sampled log-probs. seeds: one per prompt (its samples take seed, seed + 1, ...)."""
+    """n responses to each prompt: per prompt, n Samples (token ids, never re-tokenised, finish
+    reason, sampled log-probs). seeds: one per prompt (its samples take seed, seed + 1, ...)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     if seeds is None:
@@ -887,36 +976,35 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
             finish = "length" if completion.finish_reason == "length" else "stop"
             token_ids = list(completion.token_ids)
             logps = [lp[t].logprob for t, lp in zip(token_ids, completion.logprobs)]
-            samples.append(dict(ids=token_ids, finish=finish, engine_logp=logps))
+            samples.append(Sample(ids=token_ids, finish=finish, engine_logp=logps))
         results.append(samples)
     return results
 
 
-# --- The update's batches: mini-batches, rows, micro-batches, Eq. 12's denominators ---
+# --- The update's batches: rows, micro-batches, every rank's share ---
 
 
-def plan_updates(groups, cfg, dist_info):
-    """Mini-batches of mini_batch_prompts groups, one AdamW update each: every rank takes every
-    world-th row by length, in as many micro-batches as every other rank (FSDP2's collectives)."""
-    plan = []
-    for start in range(0, len(groups), cfg.mini_batch_prompts):
-        mini_batch = groups[start : start + cfg.mini_batch_prompts]
-        rows = sorted(make_rows(mini_batch, cfg), key=row_len)
-        my_rows = rows[dist_info["rank"] :: dist_info["world"]]
-        micro = micro_batches(my_rows, cfg.micro_batch_tokens)
-        n_max = int(all_reduce([len(micro)], dist_info, dist.ReduceOp.MAX)[0])
-        equalise_micro_batches(micro, n_max, rows[0][0])
-        # Eq. 12's and Eq. 5's denominators over the whole mini-batch, all ranks: so a token
-        # weighs the same however the update is split (the released run: per micro-batch).
-        samples = [s for row in my_rows for s in row]
-        my_tokens = sum(s["loss_mask"] * len(s["ids"]) for s in samples)
-        my_samples = sum(1 for s in samples if s["loss_mask"] > 0)
-        n_tokens, n_samples = all_reduce([my_tokens, my_samples], dist_info)
-        plan.append(dict(micro=micro, n_tokens=n_tokens, n_samples=n_samples))
-    return plan
+@dataclass
+class Row:
+    """One sequence the trainer runs: a prompt, then one response or, with share_prompt,
+    several of its group's."""
+
+    prompt_ids: list
+    samples: list
 
 
-def equalise_micro_batches(micro, n_max, any_sample):
+def rank_micro_batches(mini_batch, cfg, layout):
+    """This rank's share of one mini-batch (its groups) as micro-batches: every world-th row by
+    length, in as many micro-batches as every other rank (FSDP2's collectives). A collective."""
+    rows = sorted(make_rows(mini_batch, cfg), key=row_len)
+    my_rows = rows[layout.rank :: layout.world]
+    micro = micro_batches(my_rows, cfg.micro_batch_tokens)
+    n_max = int(all_reduce([len(micro)], layout, dist.ReduceOp.MAX)[0])
+    equalise_micro_batches(micro, n_max, rows[0])
+    return micro
+
+
+def equalise_micro_batches(micro, n_max, any_row):
     """Up to n_max micro-batches, in place: halve the largest, or add a sample with no loss."""
     while len(micro) < n_max:
         sizes = [len(rows) for rows in micro]
@@ -925,26 +1013,28 @@ def equalise_micro_batches(micro, n_max, any_sample):
             half = sizes[big] // 2
             micro[big : big + 1] = [micro[big][:half], micro[big][half:]]
         else:
-            micro.append([[dict(any_sample, loss_mask=0.0)]])
+            no_loss = dataclasses.replace(any_row.samples[0], loss_mask=0.0)
+            micro.append([Row(any_row.prompt_ids, [no_loss])])
 
 
 def make_rows(groups, cfg):
     """The sequences the trainer runs: [prompt, response] per sample; with share_prompt,
     [prompt, response 1, response 2, ...] per group within micro_batch_tokens (same log-probs)."""
     if not cfg.share_prompt:
-        return [[s] for g in groups for s in g["samples"]]
+        return [Row(g.prompt_ids, [s]) for g in groups for s in g.samples]
     rows = []
     for group in groups:
-        rows.append([])
-        for sample in group["samples"]:
-            if rows[-1] and row_len(rows[-1] + [sample]) > cfg.micro_batch_tokens:
-                rows.append([])
-            rows[-1].append(sample)
+        rows.append(Row(group.prompt_ids, []))
+        for sample in group.samples:
+            longer = Row(group.prompt_ids, rows[-1].samples + [sample])
+            if rows[-1].samples and row_len(longer) > cfg.micro_batch_tokens:
+                rows.append(Row(group.prompt_ids, []))
+            rows[-1].samples.append(sample)
     return rows
 
 
 def row_len(row):
-    return len(row[0]["prompt_ids"]) + sum(len(s["ids"]) for s in row)
+    return len(row.prompt_ids) + sum(len(s.ids) for s in row.samples)
 
 
 def micro_batches(rows, budget):
@@ -965,23 +1055,24 @@ def collate(rows, pad_id, device):
     """One micro-batch as tensors, a right-padded line per row: ids, attn, pos. A response sees
     its prompt and itself (a block-causal (rows, 1, L, L) mask when a row holds several). Per
     response token: src, the flat index of the position predicting it, and tgt, the token. Per
-    sample (S, R): loss_mask, resp_mask, engine_logp; adv (S,); real: the non-pad tokens."""
+    sample (S, R): loss_mask, resp_mask, engine_logp, old_logp (None if a sample has none);
+    adv (S,); real: the non-pad tokens."""
     L = max(map(row_len, rows))
-    samples = [s for row in rows for s in row]
+    samples = [s for row in rows for s in row.samples]
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     pos = torch.zeros_like(ids)
     # segment: 0 prompt, k response k, -1 pad
     segment = torch.full_like(ids, -1)
     src = []
     for r, row in enumerate(rows):
-        prompt_len = len(row[0]["prompt_ids"])
-        ids[r, :prompt_len] = torch.tensor(row[0]["prompt_ids"])
+        prompt_len = len(row.prompt_ids)
+        ids[r, :prompt_len] = torch.tensor(row.prompt_ids)
         pos[r, :prompt_len] = torch.arange(prompt_len)
         segment[r, :prompt_len] = 0
         at = prompt_len
-        for k, sample in enumerate(row, 1):
-            n = len(sample["ids"])
-            ids[r, at : at + n] = torch.tensor(sample["ids"])
+        for k, sample in enumerate(row.samples, 1):
+            n = len(sample.ids)
+            ids[r, at : at + n] = torch.tensor(sample.ids)
             segment[r, at : at + n] = k
             # every response continues from its prompt
             pos[r, at : at + n] = torch.arange(prompt_len, prompt_len + n)
@@ -990,16 +1081,19 @@ def collate(rows, pad_id, device):
             src += [r * L + t for t in predictors]
             at += n
     S = len(samples)
-    R = max(len(s["ids"]) for s in samples)
+    R = max(len(s.ids) for s in samples)
     loss_mask = torch.zeros(S, R)
     resp_mask = torch.zeros(S, R)
     engine_logp = torch.zeros(S, R)
+    old_logp = torch.zeros(S, R)
     for i, sample in enumerate(samples):
-        n = len(sample["ids"])
-        loss_mask[i, :n] = sample["loss_mask"]
+        n = len(sample.ids)
+        loss_mask[i, :n] = sample.loss_mask
         resp_mask[i, :n] = 1
-        engine_logp[i, :n] = torch.tensor(sample["engine_logp"])
-    if max(map(len, rows)) == 1:
+        engine_logp[i, :n] = torch.tensor(sample.engine_logp)
+        if sample.old_logp is not None:
+            old_logp[i, :n] = sample.old_logp
+    if max(len(row.samples) for row in rows) == 1:
         # one response per row: the model's own causal mask, with padding
         attn = (segment >= 0).long()
     else:
@@ -1008,11 +1102,14 @@ def collate(rows, pad_id, device):
         k = segment[:, None, :]
         causal = torch.ones(L, L, dtype=torch.bool).tril()
         attn = (causal & (k >= 0) & ((k == 0) | (k == q)))[:, None]
-    tgt = torch.tensor([t for s in samples for t in s["ids"]])
-    adv = torch.tensor([float(s["adv"]) for s in samples])
+    tgt = torch.tensor([t for s in samples for t in s.ids])
+    adv = torch.tensor([float(s.adv) for s in samples])
     tensors = dict(ids=ids, attn=attn, pos=pos, src=torch.tensor(src), tgt=tgt, adv=adv,
-                   loss_mask=loss_mask, resp_mask=resp_mask, engine_logp=engine_logp)
+                   loss_mask=loss_mask, resp_mask=resp_mask, engine_logp=engine_logp,
+                   old_logp=old_logp)
     batch = {name: t.to(device) for name, t in tensors.items()}
+    if any(s.old_logp is None for s in samples):
+        batch["old_logp"] = None
     batch["samples"] = samples
     batch["real"] = int((segment >= 0).sum())
     return batch
@@ -1049,80 +1146,58 @@ def token_logp(model, batch, temperature, chunk):
     return [empty.masked_scatter(valid, torch.cat(values)) for values in zip(*parts)]
 
 
-def cpu_autocast(cfg, dist_info):
+def cpu_autocast(cfg, layout):
     """bf16 autocast on CPU; on GPU FSDP2's mixed-precision policy casts instead."""
-    enabled = cfg.bf16 and dist_info["device"].type == "cpu"
+    enabled = cfg.bf16 and layout.device.type == "cpu"
     return torch.autocast("cpu", torch.bfloat16, enabled=enabled)
 
 
-def old_log_probs(model, plan, cfg, dist_info, pad_id):
-    """pi_theta_old's log-probs of every sample in the plan: one no-grad pass."""
-    with torch.no_grad(), cpu_autocast(cfg, dist_info):
-        for mini_batch in plan:
-            for rows in mini_batch["micro"]:
-                batch = collate(rows, pad_id, dist_info["device"])
-                logp, _ = token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)
+def micro_batch_logp(model, rows, cfg, layout, pad_id):
+    """One micro-batch's tensors (collate), and its response tokens' log-probs and entropy under
+    the policy: bf16 autocast on CPU, the LM head in chunks."""
+    batch = collate(rows, pad_id, layout.device)
+    with cpu_autocast(cfg, layout):
+        logp, entropy = token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)
+    return batch, logp, entropy
+
+
+def old_log_probs(model, plan, cfg, layout, pad_id):
+    """Sets each sample's old_logp: pi_theta_old's log-probs, in one no-grad pass over every
+    mini-batch's micro-batches (the plan)."""
+    with torch.no_grad():
+        for micro in plan:
+            for rows in micro:
+                batch, logp, _ = micro_batch_logp(model, rows, cfg, layout, pad_id)
                 for sample, sample_logp in zip(batch["samples"], logp):
-                    sample["old_logp"] = sample_logp[: len(sample["ids"])].cpu()
+                    sample.old_logp = sample_logp[: len(sample.ids)].cpu()
 
 
-# --- The update: gradients over micro-batches, the optimizer step, its logs ---
+# --- The update's logs: per micro-batch sums, the step's loss/ metrics ---
 
 
-def accumulate_grads(model, mini_batch, cfg, dist_info, pad_id, sums, on_policy=False):
-    """Forward and backward over one mini-batch's micro-batches, the gradients adding up, this
-    rank's sums for the logs into `sums`. on_policy (the only update): old_logp = logp.detach()."""
-    for rows in mini_batch["micro"]:
-        batch = collate(rows, pad_id, dist_info["device"])
-        loss_mask = batch["loss_mask"]
-        resp_mask = batch["resp_mask"]
-        with cpu_autocast(cfg, dist_info):
-            logp, entropy = token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)
-        if on_policy:
-            old_logp = logp.detach()
-        else:
-            old_logp = torch.zeros_like(logp)
-            for i, sample in enumerate(batch["samples"]):
-                old_logp[i, : len(sample["ids"])] = sample["old_logp"]
-        loss, stats = policy_loss(
-            logp, old_logp, batch["adv"], loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-            dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss,
-            n_tokens=mini_batch["n_tokens"], n_samples=mini_batch["n_samples"],
-            engine_logp=batch["engine_logp"], is_cap=cfg.rollout_is_cap,
-        )
-        # FSDP2 averages gradients over ranks, but the loss is already a global mean (its
-        # denominators span all ranks): scaling by the world size undoes the average.
-        (loss * dist_info["world"]).backward()
-        stats["loss"] = loss.item()
-        stats["loss_tokens"] = loss_mask.gt(0).sum().item()
-        stats["entropy"] = (entropy * resp_mask).sum().item()
-        # How far the engine's log-probs are from the trainer's (a stale engine shows here).
-        stats["gap"] = ((old_logp - batch["engine_logp"]).abs() * resp_mask).sum().item()
-        stats["tokens"] = resp_mask.sum().item()
-        stats["real"] = batch["real"]
-        stats["all"] = batch["ids"].numel()
-        for name, value in stats.items():
-            sums[name] = sums.get(name, 0.0) + value
+def add_sums(sums, stats, batch, loss, entropy, old_logp):
+    """Adds one micro-batch's sums for the step's logs (policy_loss's stats and these) to sums."""
+    resp_mask = batch["resp_mask"]
+    stats = dict(stats)
+    stats["loss"] = loss.item()
+    stats["loss_tokens"] = batch["loss_mask"].gt(0).sum().item()
+    stats["entropy"] = (entropy * resp_mask).sum().item()
+    # How far the engine's log-probs are from the trainer's (a stale engine shows here).
+    stats["gap"] = ((old_logp - batch["engine_logp"]).abs() * resp_mask).sum().item()
+    stats["tokens"] = resp_mask.sum().item()
+    stats["real"] = batch["real"]
+    stats["all"] = batch["ids"].numel()
+    for name, value in stats.items():
+        sums[name] = sums.get(name, 0.0) + value
 
 
-def clip_and_step(model, optim, cfg):
-    """Clip the gradient norm, one AdamW step (none if the norm is not finite); the norm."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    if torch.isfinite(grad_norm):
-        optim.step()
-    optim.zero_grad(set_to_none=True)
-    return grad_norm.item()
-
-
-def update_metrics(sums, grad_norms, metrics, dist_info):
+def update_metrics(sums, grad_norms, layout, update_s):
     """The step's loss/ logs from every rank's sums (a collective: every rank calls it)."""
     names = sorted(sums)
-    total = dict(zip(names, all_reduce([sums[name] for name in names], dist_info)))
+    total = dict(zip(names, all_reduce([sums[name] for name in names], layout)))
     loss_tokens = max(total["loss_tokens"], 1)
     tokens = max(total["tokens"], 1)
-    update_s = max(metrics["perf/update_s"], 1e-9)
+    update_s = max(update_s, 1e-9)
     return {
         # an update's loss is the sum of its micro-batches' shares
         "loss/policy": total["loss"] / len(grad_norms),
@@ -1139,46 +1214,33 @@ def update_metrics(sums, grad_norms, metrics, dist_info):
         "rollout/engine_logp_gap": total["gap"] / tokens,
         "rollout/is_weight_mean": total["is_w"] / loss_tokens,
         "rollout/is_capped_frac": total["is_capped"] / loss_tokens,
-        "perf/update_tokens_per_s": total["real"] / dist_info["world"] / update_s,
+        "perf/update_tokens_per_s": total["real"] / layout.world / update_s,
         "perf/padding_frac": 1 - total["real"] / max(total["all"], 1),
     }
 
 
-def rollout_metrics(sampled, kept, rounds, cfg, dist_info, metrics):
+def rollout_metrics(sampled, kept, rounds, layout, rollout_s):
     """The step's reward/, rollout/ and dynamic_sampling/ logs, over every sampled group."""
-    flat = [s for g in sampled for s in g["samples"]]
+    flat = [s for g in sampled for s in g.samples]
     n = len(flat)
-    lengths = [len(s["ids"]) for s in flat]
-    correct = torch.tensor([s["score"] > 0 for s in flat])
-    n_informative = int(dynamic_sampling_mask(correct, cfg.group_size).sum())
-    rollout_s = max(metrics["perf/rollout_s"], 1e-9)
+    group_size = len(sampled[0].samples)
+    lengths = [len(s.ids) for s in flat]
+    n_informative = sum(g.informative for g in sampled)
+    rollout_s = max(rollout_s, 1e-9)
     return {
-        "reward/accuracy": sum(s["score"] > 0 for s in flat) / n,
-        "reward/overlong_penalty": sum(s["penalty"] for s in flat) / n,
+        "reward/accuracy": sum(s.score > 0 for s in flat) / n,
+        "reward/overlong_penalty": sum(s.penalty for s in flat) / n,
         "rollout/response_len_mean": sum(lengths) / n,
         "rollout/response_len_max": max(lengths),
-        "rollout/truncated_frac": sum(s["finish"] == "length" for s in flat) / n,
+        "rollout/truncated_frac": sum(s.finish == "length" for s in flat) / n,
         "dynamic_sampling/rounds": rounds,
         "dynamic_sampling/kept_groups": len(kept),
-        "dynamic_sampling/kept_frac": len(kept) * cfg.group_size / n,
-        # of the sampled groups, not the kept ones
-        "dynamic_sampling/zero_grad_frac": 1 - n_informative * cfg.group_size / n,
-        "data/prompt_idx": [g["idx"] for g in kept],
-        "perf/rollout_tokens_per_s": sum(lengths) / dist_info["n_dp"] / rollout_s,
+        "dynamic_sampling/kept_frac": len(kept) * group_size / n,
+        # of the sampled groups, not the kept ones (line 6's verdicts)
+        "dynamic_sampling/zero_grad_frac": 1 - n_informative * group_size / n,
+        "data/prompt_idx": [g.idx for g in kept],
+        "perf/rollout_tokens_per_s": sum(lengths) / layout.n_dp / rollout_s,
     }
-
-
-def warmup_factor(step, warmup_steps):
-    """The learning rate's factor after `step` scheduler steps: linear warm-up, then 1."""
-    if warmup_steps == 0:
-        return 1.0
-    return min(1.0, (step + 1) / warmup_steps)
-
-
-def make_optimizer(model, cfg):
-    """AdamW (§4.1); fused: no model-sized temporary in the step."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             fused=True)
 
 
 def check_finite(bad_updates, grad_norms, step):
@@ -1209,28 +1271,28 @@ def run_dtype(cfg):
     return torch.bfloat16 if cfg.bf16 else torch.float32
 
 
-def push_weights(model, engine, cfg, dist_info):
+def push_weights(model, engine, cfg, layout):
     """Wake the engine's weights (GPU), load the trained ones into them a tensor at a time on
     the device in the engine's dtype (no disk, no full copy), then wake its KV cache."""
-    wake_engine(engine, cfg, dist_info, ["weights"])
-    weights = full_params(model, run_dtype(cfg), dist_info["device"])
+    wake_engine(engine, cfg, layout, ["weights"])
+    weights = full_params(model, run_dtype(cfg), layout.device)
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     # cached KV blocks were computed by the old weights
     engine.reset_prefix_cache()
-    wake_engine(engine, cfg, dist_info, ["kv_cache"])
+    wake_engine(engine, cfg, layout, ["kv_cache"])
 
 
-def sleep_engine(engine, cfg, dist_info):
+def sleep_engine(engine, cfg, layout):
     """GPU only: sleep level 1 frees the KV cache and moves the weights to CPU memory."""
-    if dist_info["device"].type == "cuda" and cfg.engine_sleep:
+    if layout.device.type == "cuda" and cfg.engine_sleep:
         # the trainer's cached blocks go back first
         torch.cuda.empty_cache()
         engine.sleep(level=1)
 
 
-def wake_engine(engine, cfg, dist_info, tags):
+def wake_engine(engine, cfg, layout, tags):
     """GPU only: bring back the engine's "weights" (before the push), then its "kv_cache"."""
-    if dist_info["device"].type == "cuda" and cfg.engine_sleep:
+    if layout.device.type == "cuda" and cfg.engine_sleep:
         torch.cuda.empty_cache()
         engine.wake_up(tags=tags)
 
@@ -1243,10 +1305,10 @@ def pass_at_k(n, c, k):
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def evaluate(cfg, dist_info, engine, tok, examples, step):
+def evaluate(cfg, layout, engine, tok, examples, step):
     """avg@k (§4.1) and pass@k (k = 2, 4, ..., eval_k), each problem seeded by its index (every
     evaluation alike); per-problem verdicts to eval_stepN.jsonl."""
-    my_examples = examples[dist_info["dp_rank"] :: dist_info["n_dp"]]
+    my_examples = examples[layout.dp_rank :: layout.n_dp]
     n = cfg.eval_k
     seeds = [(cfg.seed << 40) + (1 << 39) + e["idx"] * n for e in my_examples]
     prompt_ids = [e["prompt_ids"] for e in my_examples]
@@ -1254,14 +1316,14 @@ def evaluate(cfg, dist_info, engine, tok, examples, step):
                        cfg.eval_top_p, seeds)
     local = []
     for example, group in zip(my_examples, outputs):
-        texts = tok.batch_decode([s["ids"] for s in group], skip_special_tokens=True)
+        texts = tok.batch_decode([s.ids for s in group], skip_special_tokens=True)
         scores = [reward.compute_score(t, example["answer"], cfg.reward_mode) for t in texts]
         correct = sum(score > 0 for score in scores)
         local.append(dict(idx=example["idx"], answer=example["answer"], correct=correct, k=n,
                           sample=texts[0][-300:]))
-    results = [r for part in gather_dp(local, dist_info) for r in part]
+    results = [r for part in gather_dp(local, layout) for r in part]
     results.sort(key=lambda r: r["idx"])
-    if dist_info["rank"] == 0:
+    if layout.rank == 0:
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
     n_problems = len(results)
@@ -1273,15 +1335,45 @@ def evaluate(cfg, dist_info, engine, tok, examples, step):
     return metrics
 
 
+# --- The step's end: evaluation, the stop check, checkpoint, logs ---
+
+
+def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger, state, metrics,
+                t_step, engine_stale, stop_requested):
+    """After line 10: evaluate when due (pushing the updated policy first, so line 3 then
+    skips), stop on every rank together after a Ctrl-C, checkpoint when due, log the step.
+    Returns whether the engine is still stale and whether to stop."""
+    step = state["step"]
+    if cfg.eval_every and step % cfg.eval_every == 0:
+        if engine_stale:
+            with timed(metrics, "perf/push_s"):
+                push_weights(model, engine, cfg, layout)
+            engine_stale = False
+        progress(logger, "evaluating")
+        metrics.update(evaluate(cfg, layout, engine, tok, eval_set, step))
+    # All ranks stop at the same step (a collective), after saving it.
+    stopping = all_reduce([len(stop_requested)], layout)[0] > 0
+    if stopping or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)):
+        progress(logger, "saving")
+        final = stopping or step == cfg.steps
+        save_checkpoint(cfg, layout, model, optim, sched, tok, state, final)
+    metrics["perf/step_s"] = time.time() - t_step
+    metrics.update(memory_metrics(layout))
+    log_metrics(cfg, logger, metrics)
+    if stopping and layout.rank == 0:
+        print(f"dapo: interrupted after step {step}", flush=True)
+    return engine_stale, stopping
+
+
 # --- Checkpoints: written to a temporary folder, renamed when complete ---
 
 
-def save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final):
+def save_checkpoint(cfg, layout, model, optim, sched, tok, state, final):
     """Sharded DCP state (for resume) and, finally or with --hf_export every, an HF folder."""
     import shutil
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    rank = dist_info["rank"]
+    rank = layout.rank
     root = os.path.join(cfg.out_dir, "ckpt")
     name = f"step_{state['step']:06d}"
     final_dir = os.path.join(root, name)
@@ -1294,7 +1386,7 @@ def save_checkpoint(cfg, dist_info, model, optim, sched, tok, state, final):
         # The run's dtype: bf16 would round an fp32 run's small updates away.
         dtype = run_dtype(cfg)
         # every rank gathers (a collective); rank 0 keeps
-        params = full_params(model, dtype, dist_info["device"], "cpu")
+        params = full_params(model, dtype, layout.device, "cpu")
         full = {param_name: param for param_name, param in params if rank == 0}
         if rank == 0:
             hf_dir = os.path.join(tmp, "hf")
@@ -1329,7 +1421,7 @@ def list_checkpoints(root):
     return [p for p in paths if os.path.exists(os.path.join(p, "trainer_state.json"))]
 
 
-def load_checkpoint(path, dist_info, model, optim, sched, seed):
+def load_checkpoint(path, layout, model, optim, sched, seed):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_state, optim_state = get_state_dict(model, optim)
@@ -1341,20 +1433,20 @@ def load_checkpoint(path, dist_info, model, optim, sched, seed):
     # DCP reshards to any world size. Training draws no random numbers (rollouts are seeded
     # per prompt), so the RNG is re-derived, not saved: one stream per DP rank from (seed,
     # step, dp_rank) (a tuple of ints hashes alike everywhere).
-    rng_seed = hash((seed, state["step"], dist_info["dp_rank"])) % 2**63
+    rng_seed = hash((seed, state["step"], layout.dp_rank)) % 2**63
     torch.manual_seed(rng_seed)
     random.seed(rng_seed)
     return state
 
 
-def resume_from_checkpoint(cfg, dist_info, model, optim, sched, engine):
+def resume_from_checkpoint(cfg, layout, model, optim, sched, engine):
     """With --resume, the latest complete checkpoint (weights, AdamW, schedule, data position)."""
     checkpoints = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
     if not (cfg.resume and checkpoints):
         return dict(step=0, data_pos=0)
-    state = load_checkpoint(checkpoints[-1], dist_info, model, optim, sched, cfg.seed)
-    sleep_engine(engine, cfg, dist_info)
-    if dist_info["rank"] == 0:
+    state = load_checkpoint(checkpoints[-1], layout, model, optim, sched, cfg.seed)
+    sleep_engine(engine, cfg, layout)
+    if layout.rank == 0:
         print(f"dapo: resumed from {checkpoints[-1]} at step {state['step']}", flush=True)
     return state
 
@@ -1382,48 +1474,93 @@ def load_memory_plan():
 # --- Logging: a flat dict per step to metrics.jsonl, a progress bar, a quiet console ---
 
 
-def open_logger(cfg, dist_info):
-    """Rank 0 logs: its progress bar is the logger. Other ranks get None and log nothing."""
-    if dist_info["rank"] != 0:
+@dataclass
+class Logger:
+    """Rank 0's outputs beside metrics.jsonl: the progress bar, the --report_to trackers."""
+
+    bar: object
+    trackers: dict  # "wandb": a W&B run; "tensorboard": a SummaryWriter
+
+
+def open_logger(cfg, layout):
+    """Rank 0 logs; other ranks get None and log nothing. Each tracker, imported only when
+    --report_to names it (validate checked it is installed), starts with the resolved config."""
+    if layout.rank != 0:
         return None
     from tqdm import tqdm
-    return tqdm(total=cfg.steps, desc="dapo", dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, desc="dapo", dynamic_ncols=True)
+    config = dataclasses.asdict(cfg)
+    trackers = {}
+    if "wandb" in tracker_names(cfg.report_to):
+        import wandb
+        name = os.path.basename(os.path.abspath(cfg.out_dir))
+        trackers["wandb"] = wandb.init(project="dapo", name=name, dir=cfg.out_dir, config=config)
+    if "tensorboard" in tracker_names(cfg.report_to):
+        from torch.utils.tensorboard import SummaryWriter
+        trackers["tensorboard"] = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+        trackers["tensorboard"].add_text("config", json.dumps(config, indent=1))
+    return Logger(bar, trackers)
+
+
+def tracker_names(report_to):
+    """--report_to wandb,tensorboard -> ["wandb", "tensorboard"]."""
+    return [name.strip() for name in report_to.split(",") if name.strip()]
 
 
 def log_metrics(cfg, logger, metrics):
-    """One flat dict per step to metrics.jsonl; the bar shows accuracy, clipping, time, eval."""
+    """One flat dict per step to metrics.jsonl, its numbers to the trackers; the bar shows
+    accuracy, clipping, time, eval."""
     if logger is None:
         return
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
+    step = metrics["step"]
+    # the trackers take numbers: data/prompt_idx (a list) stays in metrics.jsonl only
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+    if "wandb" in logger.trackers:
+        logger.trackers["wandb"].log(numbers, step=step)
+    if "tensorboard" in logger.trackers:
+        for name, value in numbers.items():
+            logger.trackers["tensorboard"].add_scalar(name, value, step)
     shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
     postfix = {k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}
-    logger.set_postfix(postfix, refresh=False)
-    logger.update(metrics["step"] - logger.n)
+    logger.bar.set_postfix(postfix, refresh=False)
+    logger.bar.update(step - logger.bar.n)
+
+
+def close_logger(logger):
+    """The bar closed, the W&B run finished, the TensorBoard events flushed."""
+    if logger is None:
+        return
+    logger.bar.close()
+    if "wandb" in logger.trackers:
+        logger.trackers["wandb"].finish()
+    if "tensorboard" in logger.trackers:
+        logger.trackers["tensorboard"].close()
 
 
 def progress(logger, text):
     """Where a long step is (generation round, update), on rank 0's bar."""
     if logger is not None:
-        logger.set_description_str(f"dapo: {text}")
+        logger.bar.set_description_str(f"dapo: {text}")
 
 
 @contextlib.contextmanager
-def timed(metrics, name):
-    """Adds the seconds the block takes to metrics[name]."""
+def timed(times, name):
+    """Adds the seconds the block takes to times[name]."""
     start = time.time()
     yield
-    metrics[name] = metrics.get(name, 0.0) + time.time() - start
+    times[name] = times.get(name, 0.0) + time.time() - start
 
 
-def catch_ctrl_c(dist_info):
+def catch_ctrl_c(layout):
     """A first Ctrl-C fills the returned list (finish the step, save, stop); a second raises."""
     import signal
     stop_requested = []
 
     def on_ctrl_c(signum, frame):
         stop_requested.append(signal.signal(signal.SIGINT, signal.default_int_handler))
-        rank = dist_info["rank"]
+        rank = layout.rank
         message = f"dapo: rank {rank}: Ctrl-C, stopping after this step (again to stop now)"
         print(message, flush=True)
 
@@ -1461,12 +1598,12 @@ def one_line_warning(message, category, *args, **kwargs):
 # --- Memory on CPU: the allocator's settings and the per-step figures ---
 
 
-def cpu_setup(dist_info):
+def cpu_setup(layout):
     """On CPU glibc keeps freed memory within a step: by default each freed block over 32 MB
     was page-faulted in again (28% of the demo's CPU time). memory_metrics trims the heap after
     each step. The kernel-cache caps set at import: at 1,024 kernels per shape (the default)
     oneDNN's and ideep's caches grew the heap 60-130 MB a step."""
-    if dist_info["device"].type != "cpu":
+    if layout.device.type != "cpu":
         return
     import ctypes
     try:
@@ -1486,11 +1623,11 @@ def reset_peak_memory():
         f.write("5")
 
 
-def memory_metrics(dist_info):
+def memory_metrics(layout):
     """This step's peak RSS; on CPU the heap's free pages back to the OS; the RSS after."""
     with open("/proc/self/status") as f:
         peak_kib = int(f.read().split("VmHWM:")[1].split()[0])
-    if dist_info["device"].type == "cpu":
+    if layout.device.type == "cpu":
         import ctypes
         malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
         if malloc_trim is not None:
@@ -1530,9 +1667,9 @@ def start(cfg):
     if ran and not (cfg.resume or cfg.eval_only):
         raise SystemExit(f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or "
                          "another --out_dir")
-    dist_info = init_distributed(cfg)
-    cpu_setup(dist_info)
-    if dist_info["rank"] == 0:
+    layout = init_distributed(cfg)
+    cpu_setup(layout)
+    if layout.rank == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
         print(f"dapo: resolved config in {cfg.out_dir}/config.json", flush=True)
@@ -1540,18 +1677,18 @@ def start(cfg):
             json.dump(dataclasses.asdict(cfg), f, indent=1)
     # the demo model and the run folder exist before anyone reads them
     dist.barrier()
-    tok, model = load_policy(cfg, dist_info)
+    tok, model = load_policy(cfg, layout)
     load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len,
-                             rank=dist_info["rank"])
+                             rank=layout.rank)
     train_set = load(cfg.train_data, dedup=cfg.dedup_prompts) if not cfg.eval_only else []
     eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_only or cfg.eval_every else []
     # before vLLM starts
-    if dist_info["device"].type == "cuda" and not (cfg.eval_only or cfg.engine_kv_cache_gb):
+    if layout.device.type == "cuda" and not (cfg.eval_only or cfg.engine_kv_cache_gb):
         n_params = sum(p.numel() for p in model.parameters())
         gpu_bytes = torch.cuda.mem_get_info()[1]
-        load_memory_plan().check_fit(cfg, n_params, dist_info["world"], gpu_bytes)
-    engine = make_engine(cfg, dist_info)
-    return dist_info, tok, model, train_set, eval_set, engine
+        load_memory_plan().check_fit(cfg, n_params, layout.world, gpu_bytes)
+    engine = make_engine(cfg, layout)
+    return layout, tok, model, train_set, eval_set, engine
 
 
 def main(argv=None):
@@ -1559,22 +1696,21 @@ def main(argv=None):
     quiet_libraries(cfg)
     if cfg.estimate_memory:
         return load_memory_plan().estimate_memory(cfg, cfg.estimate_memory)
-    dist_info, tok, model, train_set, eval_set, engine = start(cfg)
+    layout, tok, model, train_set, eval_set, engine = start(cfg)
     if cfg.eval_only:
-        metrics = evaluate(cfg, dist_info, engine, tok, eval_set, 0)
-        if dist_info["rank"] == 0:
+        metrics = evaluate(cfg, layout, engine, tok, eval_set, 0)
+        if layout.rank == 0:
             print(json.dumps(metrics), flush=True)
         close(engine)
         return metrics
-    logger = open_logger(cfg, dist_info)
+    logger = open_logger(cfg, layout)
     # finally: also after a second Ctrl-C mid-step (nothing saved, the last checkpoint kept)
     try:
-        state = train(cfg, dist_info, tok, model, engine, train_set, eval_set, logger)
+        state = train(cfg, layout, tok, model, engine, train_set, eval_set, logger)
     finally:
-        if logger is not None:
-            logger.close()
+        close_logger(logger)
         close(engine)
-    if dist_info["rank"] == 0:
+    if layout.rank == 0:
         print_where_results_are(cfg)
     return state
 

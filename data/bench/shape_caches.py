@@ -10,7 +10,6 @@ Set the two variables to compare (dapo.py sets both to 128 unless they are set):
     ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 LRU_CACHE_CAPACITY=1024 python data/bench/shape_caches.py
 """
 import ctypes
-import functools
 import gc
 import os
 import sys
@@ -46,20 +45,25 @@ if __name__ == "__main__":
         "--eval_every 0 --save_every 0 --out_dir runs/shape_caches".split())
     dapo.quiet_libraries(cfg)
     d, tok, model, train_set, eval_set, engine = dapo.start(cfg)
-    optim, score = dapo.make_optimizer(model, cfg), functools.partial(dapo.score_groups, tok=tok, cfg=cfg)
+    optim = dapo.make_optimizer(model, cfg)
     steps = []
     n, g = cfg.prompts_per_step, cfg.group_size
     for i in range(5):
         prompts = dapo.take_prompts(train_set, i * n, n, cfg.seed)
         samples = dapo.generate(engine, [p["prompt_ids"] for p in prompts], g, cfg.max_response_len,
                                 cfg.temperature, cfg.top_p, [p["pos"] * g for p in prompts])
-        steps.append(dapo.prepare_samples(score(prompts, samples), cfg))
+        groups = [dapo.Group(**p, samples=s) for p, s in zip(prompts, samples)]
+        dapo.score_groups(groups, tok, cfg)
+        dapo.assign_advantages(groups, cfg.adv_eps, cfg.overlong_filter)
+        steps.append(groups)
     report("after 5 rollouts")
     for tag, groups in [(f"update {i} (new shapes)", g) for i, g in enumerate(steps)] + \
                        [(f"update {i} (seen)", g) for i, g in enumerate(steps[:3])]:
         t0 = time.time()
-        for mini_batch in dapo.plan_updates(groups, cfg, d):  # one: mini_batch_prompts = B
-            dapo.accumulate_grads(model, mini_batch, cfg, d, tok.pad_token_id, {}, on_policy=True)
-            dapo.clip_and_step(model, optim, cfg)
+        # one mini-batch: mini_batch_prompts = B
+        micro = dapo.rank_micro_batches(groups, cfg, d)
+        denominators = dapo.loss_denominators(groups)
+        dapo.policy_gradient(model, micro, denominators, cfg, d, tok.pad_token_id, True, {})
+        dapo.clip_and_step(model, optim, cfg)
         report(f"{tag} {time.time() - t0:4.1f} s")
     dapo.close(engine)
