@@ -59,14 +59,14 @@ def estimate_memory(cfg, n_gpus):
     fake = not dist.is_initialized()
     config = model_config(cfg)
     dapo.check_layout(config, cfg.rollout_tp, n_gpus)
-    dist_info = dict(rank=0, world=n_gpus, device=torch.device("cpu"))
+    layout = dapo.Layout(rank=0, world=n_gpus, tp=cfg.rollout_tp, dp_rank=0,
+                         n_dp=n_gpus // cfg.rollout_tp, device=torch.device("cpu"))
     # One longest row (validate: it fits micro_batch_tokens).
     T = cfg.max_prompt_len + cfg.max_response_len
     R = cfg.max_response_len
     response = torch.randint(0, config.vocab_size, (R,)).tolist()
-    longest = dict(prompt_ids=[0] * (T - R), ids=response, loss_mask=1.0, adv=1.0,
-                   engine_logp=[0.0] * R)
-    batch = dapo.collate([[longest]], 0, dist_info["device"])
+    longest = dapo.Sample(ids=response, finish="stop", engine_logp=[0.0] * R, adv=1.0)
+    batch = dapo.collate([dapo.Row([0] * (T - R), [longest])], 0, layout.device)
     with contextlib.ExitStack() as stack:
         # FSDP2's default mesh follows a visible GPU: keep it with the batch, on CPU.
         cpu = torch.device("cpu")
@@ -79,7 +79,7 @@ def estimate_memory(cfg, n_gpus):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         n_params = sum(p.numel() for p in model.parameters())
         # as on a GPU; outside fake mode (the mesh is real)
-        dapo.shard(model, cfg, dist_info, bf16_params=cfg.bf16)
+        dapo.shard(model, cfg, layout, bf16_params=cfg.bf16)
         if fake:
             # to_empty: meta -> fake
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

@@ -27,9 +27,9 @@ def group(prompt_len=97, size=8):
     samples = []
     for _ in range(size):
         n = random.randint(15, 64)
-        samples.append(dict(ids=[random.randrange(100, 40000) for _ in range(n)], prompt_ids=prompt,
-                            loss_mask=1.0, adv=1.0, engine_logp=[0.0] * n))
-    return dict(prompt_ids=prompt, samples=samples)
+        ids = [random.randrange(100, 40000) for _ in range(n)]
+        samples.append(dapo.Sample(ids=ids, finish="stop", engine_logp=[0.0] * n, adv=1.0))
+    return dapo.Group(idx=0, pos=0, prompt_ids=prompt, answer="1", samples=samples)
 
 
 cfg = dapo.Config(share_prompt=mode == "shared", micro_batch_tokens=budget, bf16=False)
