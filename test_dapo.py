@@ -2933,6 +2933,28 @@ def _worker_cuda_memory(out, *flags):
     torch.distributed.destroy_process_group()
 
 
+def test_gpu_check_dry_run_on_cpu():
+    """data/bench/gpu_check.py --dry, the prepared GPU check's own Python on CPU with a tiny
+    Qwen2: both update modes (offload off and on) run through shard, policy_gradient and
+    clip_and_step to the same finite gradient norm, the memory plan answers for the same shapes,
+    and gpu_check.sh runs the script and the -k cuda tests. Guards against a GPU check that has
+    rotted by the day a GPU is lent."""
+    p = subprocess.run([sys.executable, "data/bench/gpu_check.py", "--dry"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    modes = report["modes"]
+    assert sorted(modes) == ["offload_false", "offload_true"] and report["rows"] == 8
+    for m in modes.values():
+        assert m["tokens_per_s"] > 0 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+        assert m["plan_gradient_gib"] > 0 and m["micro_batches"] == 8
+    norms = [m["grad_norm"] for m in modes.values()]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    with open(os.path.join(ROOT, "data", "bench", "gpu_check.sh")) as f:
+        script = f.read()
+    assert "data/bench/gpu_check.py" in script and "-k cuda" in script
+
+
 def test_tensor_x_data_parallel_on_four_ranks(tiny_model, tmp_path):
     """The 8-GPU node's layout in small: 4 CPU ranks as 2 engines of 2 (--rollout_tp 2) through
     vLLM, with the scripted reward (dynamic sampling refills twice and trims one group a step), an
