@@ -2519,7 +2519,7 @@ def test_presets_and_explicit_flags():
 def test_bad_model_path_is_one_line(tmp_path):
     """A missing folder, or a model that is not a causal LM, is one line naming it (not a
     traceback)."""
-    d = dict(rank=0, device=torch.device("cpu"))
+    d = _layout()
     with pytest.raises(SystemExit, match=r"model path '/nonexistent/model' does not exist$"):
         dapo.load_policy(dapo.Config(model="/nonexistent/model"), d)
     from transformers import T5Config
@@ -2544,7 +2544,7 @@ def test_remote_code_never_runs_unless_asked(tmp_path):
         json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig"}})
     )
     with pytest.raises(SystemExit, match="cannot load"):
-        dapo.load_policy(dapo.Config(model=str(tmp_path)), dict(rank=0, device=torch.device("cpu")))
+        dapo.load_policy(dapo.Config(model=str(tmp_path)), _layout())
     assert not marker.exists()
 
 
