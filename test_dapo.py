@@ -3002,6 +3002,55 @@ def test_tensor_x_data_parallel_on_four_ranks(tiny_model, tmp_path):
     assert os.listdir(tmp_path / "ckpt") == ["step_000002", "step_000003"]
 
 
+@pytest.mark.skipif(
+    not os.environ.get("DAPO_SLOW_TESTS"),
+    reason="8 CPU ranks with 8 vLLM engines take minutes on 2 cores; set DAPO_SLOW_TESTS=1 "
+    "(data/bench/eight_ranks.sh runs it and keeps its output)",
+)
+def test_node_layout_eight_ranks_two_engines_of_four(tiny_model, tmp_path):
+    """The node's own layout, `torchrun --nproc_per_node 8 dapo.py`'s shape: 8 CPU ranks as 2
+    engines of 4 (--rollout_tp 4, the tiny model's 4 heads and 2 KV heads), through vLLM with the
+    scripted reward (3 rounds a step: refill twice, trim one), 2 steps, an evaluation and a
+    checkpoint at step 2. Each DP group samples its own prompts, once; the 4 ranks of an engine
+    sample identical tokens; every rank keeps the same groups in the 1-rank order; the evaluation
+    scores each problem once; loss and gradient norm are finite."""
+    args = _tiny_args(tiny_model, tmp_path, "--dynamic_sampling", "true", "--prompts_per_step", "5",
+                      "--gen_prompts_per_round", "4", "--max_gen_rounds", "8",
+                      "--mini_batch_prompts", "5", "--rollout_tp", "4", "--eval_every", "2",
+                      "--eval_k", "2", "--save_every", "2")
+    start = time.time()
+    _torchrun(8, "test_dapo.py", "layout", *args, timeout=1800)
+    print(f"8 ranks, 2 steps: {time.time() - start:.0f} s")
+    ms = _metrics(tmp_path)
+    assert [m["step"] for m in ms] == [1, 2]
+    train_set = [json.loads(line) for line in open(os.path.join(ROOT, "data", "demo_train.jsonl"))]
+    sampled = {}
+    kept = {}
+    for rank in range(8):
+        with open(tmp_path / f"sampled_rank{rank}.jsonl") as f:
+            sampled[rank] = [json.loads(line) for line in f]
+        with open(tmp_path / f"kept_rank{rank}.jsonl") as f:
+            kept[rank] = [json.loads(line) for line in f]
+    assert all(len(rounds) == 6 for rounds in sampled.values())  # 3 rounds a step, 2 steps
+    assert all(sampled[r] == sampled[0] for r in range(4))  # engine 0's 4 ranks agree
+    assert all(sampled[r] == sampled[4] for r in range(4, 8))  # engine 1's
+    for r, (mine, theirs) in enumerate(zip(sampled[0], sampled[4])):
+        assert sorted(p for p, _ in mine + theirs) == list(range(4 * r, 4 * r + 4))  # each once
+        assert [p for p, _ in mine] == [4 * r, 4 * r + 2]  # DP rank 0 takes every other
+    for step, m in enumerate(ms):
+        positions = [p for p in range(12 * step, 12 * step + 12) if p % 4 in (2, 3)][:5]
+        epoch = [dapo._epoch_order(len(train_set), 0, p // len(train_set)) for p in positions]
+        assert m["data/prompt_idx"] == [e[p % len(train_set)] for e, p in zip(epoch, positions)]
+        assert m["dynamic_sampling/rounds"] == 3 and m["dynamic_sampling/kept_groups"] == 5
+        assert math.isfinite(m["loss/policy"]) and m["loss/grad_norm"] > 0
+        assert m["rollout/engine_logp_gap"] < 1e-3
+    assert all(kept[rank] == [m["data/prompt_idx"] for m in ms] for rank in range(8))
+    with open(tmp_path / "eval_step000002.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert sorted(r["idx"] for r in rows) == list(range(32)) and ms[1]["eval/problems"] == 32
+    assert os.listdir(tmp_path / "ckpt") == ["step_000002"]
+
+
 # =============================================================================
 # The file's shape: Part 1 reads like the paper; the README's map points into it
 # =============================================================================
