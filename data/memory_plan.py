@@ -32,7 +32,7 @@ def model_config(cfg):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(cfg.model)
     except OSError as e:
         shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                os.path.basename(cfg.model.rstrip("/")).lower())

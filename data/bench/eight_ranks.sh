@@ -5,6 +5,9 @@
 #   bash data/bench/eight_ranks.sh     # writes data/results/eight_ranks.txt
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-lscpu | grep -E "Model name|^CPU\(s\)" > data/results/eight_ranks.txt
+{ echo "commit $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (with local changes)')"
+  lscpu | grep -E "Model name|^CPU\(s\)|CPU family|^Model:"
+  echo "flags: $(lscpu | grep -o -E 'avx2|avx512f|avx512_bf16|amx_tile' | sort -u | tr '\n' ' ')"
+} > data/results/eight_ranks.txt
 DAPO_SLOW_TESTS=1 python -m pytest -q -s -rs test_dapo.py -k eight_ranks 2>&1 | tail -n 15 \
     | tee -a data/results/eight_ranks.txt

@@ -118,7 +118,7 @@ def main():
     flags = ["--preset", "dapo", "--model", folder, "--rollout_tp", "1", "--group_size", "4",
              "--logp_chunk_tokens", "1024", *lengths]
     cfg = dapo.parse_config(flags)
-    dapo.quiet_libraries(cfg)
+    dapo.quiet_libraries()
     config = AutoConfig.from_pretrained(folder)
     layout = dapo.init_distributed(cfg)
     groups = make_groups(cfg, config.vocab_size, n_groups)

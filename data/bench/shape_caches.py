@@ -43,7 +43,7 @@ if __name__ == "__main__":
         "--train_data data/demo_train_template.jsonl --prompts_per_step 8 --group_size 8 --gen_prompts_per_round 8 "
         "--max_response_len 64 --overlong_buffer_len 16 --dynamic_sampling false --mini_batch_prompts 8 "
         "--eval_every 0 --save_every 0 --out_dir runs/shape_caches".split())
-    dapo.quiet_libraries(cfg)
+    dapo.quiet_libraries()
     d, tok, model, train_set, eval_set, engine = dapo.start(cfg)
     optim = dapo.make_optimizer(model, cfg)
     steps = []
