@@ -934,18 +934,45 @@ def test_engine_generates_with_pushed_weights(tiny_model, tmp_path):
     assert r["gap_processed"] < 1e-3 and r["gap_without_nucleus"] > 0.02
 
 
-def test_tensor_parallel_engine_on_two_ranks(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_tp_engine(tiny_model, tmp_path_factory):
+    """One 2-rank launch of _worker_push with --rollout_tp 2, shared by the two tests below; its
+    engine starts on a node that reads as 8 cores once the engine is up (the threads test)."""
+    out = tmp_path_factory.mktemp("tp2") / "push.json"
+    _torchrun(2, __file__, "push", tiny_model, str(out), "2", "8")
+    return json.loads(out.read_text())
+
+
+def test_tensor_parallel_engine_on_two_ranks(two_rank_tp_engine):
     """rollout_tp 2 on 2 ranks: one vLLM engine sharded over both ranks. Both
     ranks get the same samples, and the in-place push reaches the sharded
     engine (its log-probs match the trainer's again after the weights move)."""
-    out = tmp_path / "push.json"
-    _torchrun(2, __file__, "push", tiny_model, str(out), "2")
-    r = json.loads(out.read_text())
+    r = two_rank_tp_engine
     assert r["same_samples_on_tp_ranks"] and r["engine_tp"] == 2
     assert r["gap_start"] < 1e-3 and r["gap_stale"] > 0.1 and r["gap_pushed"] < 1e-3
 
 
-def _worker_push(model_dir, out, tp):
+def test_cpu_threads_restored_after_engine_start(two_rank_tp_engine):
+    """2 ranks on a node that reads as 8 cores: after make_engine each rank's
+    torch runs 8 // 2 = 4 threads, and the engine still generates. The bug:
+    torchrun's OMP_NUM_THREADS=1 and vLLM's loader left torch on one thread,
+    so the CPU-offloaded AdamW step and grad clip ran single-threaded."""
+    r = two_rank_tp_engine
+    assert r["threads_before"] == [1, 1] and r["threads_after"] == [4, 4]
+    assert r["same_samples_on_tp_ranks"]  # and the engine generates
+
+
+def _worker_push(model_dir, out, tp, cores=None):
+    if cores:  # the engine starts on the real core count; the node then reads as `cores` cores
+        import vllm
+
+        class LLM(vllm.LLM):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                os.cpu_count = lambda: int(cores)
+
+        vllm.LLM = LLM
+    cpu_count = os.cpu_count
     cfg = dapo.Config(
         model=model_dir,
         bf16=False,
@@ -957,9 +984,15 @@ def _worker_push(model_dir, out, tp):
     )
     d = dapo.init_distributed(cfg)
     tok, model = dapo.load_policy(cfg, d)
+    before = torch.get_num_threads()
     engine = dapo.make_engine(cfg, d)
+    threads = [None] * d.world
+    torch.distributed.all_gather_object(threads, (before, torch.get_num_threads()))
+    result = dict(threads_before=[b for b, _ in threads], threads_after=[a for _, a in threads])
+    if cores:  # back to the real cores: the rest of the run is not oversubscribed
+        os.cpu_count = cpu_count
+        torch.set_num_threads(before)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
-    result = {}
 
     def gap():
         outs = dapo.generate(engine, prompts, 4, 12, 1.0, 1.0)
@@ -1021,51 +1054,6 @@ def _worker_push(model_dir, out, tp):
     if d.rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    engine = None  # before the process group (vLLM's exit handler needs it)
-    torch.distributed.destroy_process_group()
-
-
-def test_cpu_threads_restored_after_engine_start(tiny_model, tmp_path):
-    """2 ranks on a node that reads as 8 cores: after make_engine each rank's
-    torch runs 8 // 2 = 4 threads, and the engine still generates. The bug:
-    torchrun's OMP_NUM_THREADS=1 and vLLM's loader left torch on one thread,
-    so the CPU-offloaded AdamW step and grad clip ran single-threaded."""
-    out = tmp_path / "threads.json"
-    _torchrun(2, __file__, "threads", tiny_model, str(out))
-    r = json.loads(out.read_text())
-    assert r["before"] == [1, 1] and r["after"] == [4, 4] and r["generated"] == [True, True]
-
-
-def _worker_threads(model_dir, out):
-    import vllm
-
-    class LLM(vllm.LLM):  # the engine starts on the real core count; the node then reads as 8 cores
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            os.cpu_count = lambda: 8
-
-    vllm.LLM = LLM
-    cfg = dapo.Config(
-        model=model_dir,
-        bf16=False,
-        engine_kv_cache_gb=0.25,
-        max_prompt_len=64,
-        max_response_len=16,
-        **FEW_RANKS,
-    )
-    d = dapo.init_distributed(cfg)
-    before = torch.get_num_threads()
-    engine = dapo.make_engine(cfg, d)
-    mine = dict(
-        before=before,
-        after=torch.get_num_threads(),
-        generated=len(dapo.generate(engine, [[1, 2, 3]], 2, 4, 1.0, 1.0)[0]) == 2,
-    )
-    everyone = [None] * d.world
-    torch.distributed.all_gather_object(everyone, mine)
-    if d.rank == 0:
-        with open(out, "w") as f:
-            json.dump({k: [e[k] for e in everyone] for k in mine}, f)
     dapo.close(engine)
 
 
@@ -1476,17 +1464,8 @@ def test_dapo_7b_preset_fits_one_node_and_its_window():
         and cfg.max_prompt_len + cfg.max_response_len <= window == 4096
     )
     assert not cfg.offload_optimizer and cfg.rollout_tp == 1
-    p = _run(
-        [
-            "--preset",
-            "dapo_7b",
-            "--model",
-            os.path.join(ROOT, "data", "qwen2.5-math-7b"),
-            "--estimate_memory",
-            "8",
-        ]
-    )
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = _plan(["--preset", "dapo_7b", "--model", os.path.join(ROOT, "data", "qwen2.5-math-7b"),
+                 "--estimate_memory", "8"])
     assert (
         out["fits"]
         and out["peak_gib"] <= 80
@@ -1610,6 +1589,13 @@ def _run(args, timeout=300, env=None, check=True, script=("dapo.py",)):
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
+
+
+def _plan(flags):
+    """`python dapo.py *flags` for an --estimate_memory plan, in this process (its start-up
+    costs more than a small plan): the plan's JSON, also printed as its last line."""
+    assert not torch.distributed.is_initialized()  # else the plan runs on real tensors
+    return dapo.main(flags)
 
 
 def _metrics(out):
@@ -1834,32 +1820,32 @@ RESUME_ARGS = ["--steps", "3", "--save_every", "1", "--keep_checkpoints", "3",
 
 @pytest.fixture(scope="module")
 def uninterrupted_run(tiny_model, tmp_path_factory):
-    """The 3-step run both crash tests compare with (read only: each test kills its own run)."""
+    """The 3-step run the crash test compares with."""
     a = tmp_path_factory.mktemp("uninterrupted")
     _run(_tiny_args(tiny_model, a, *RESUME_ARGS))
     return a
 
 
-@pytest.mark.parametrize("fault", ["save:2", "step:3"])
-def test_resume_after_kill_matches_uninterrupted(tiny_model, tmp_path, fault, uninterrupted_run):
-    """SIGKILL in the middle of a checkpoint save, or of a step, then
-    --resume: the last complete checkpoint is intact, and the run continues
-    exactly as the uninterrupted one: same prompts, lr and weights (each
-    prompt's samples are seeded by its stream position)."""
-    args = RESUME_ARGS
+def test_resume_after_kills_matches_uninterrupted(tiny_model, tmp_path, uninterrupted_run):
+    """SIGKILL in the middle of a checkpoint save (step 2), --resume; SIGKILL again in the middle
+    of a step (step 3), --resume: after each kill the last complete checkpoint is intact, and the
+    run continues exactly as the uninterrupted one: same prompts, lr and weights (each prompt's
+    samples are seeded by its stream position)."""
     a, b = uninterrupted_run, tmp_path / "b"
-    p = _run(_tiny_args(tiny_model, b, *args), env=dict(_env(), DAPO_FAULT=fault), check=False)
-    assert p.returncode != 0  # killed
-    ckpt = sorted(os.listdir(b / "ckpt"))
-    assert ckpt == (
-        ["step_000001", "step_000002.tmp"] if fault == "save:2" else ["step_000001", "step_000002"]
-    )
-    last = ckpt[-1] if fault == "step:3" else ckpt[0]
-    for k, v in _weights(b / "ckpt" / last).items():  # the checkpoint left behind is intact
-        assert torch.equal(v, _weights(a / "ckpt" / last)[k])
-    _run(_tiny_args(tiny_model, b, *args, "--resume", "true"))
+    resume = []
+    for fault, left in (("save:2", ["step_000001", "step_000002.tmp"]),
+                        ("step:3", ["step_000001", "step_000002"])):
+        p = _run(_tiny_args(tiny_model, b, *RESUME_ARGS, *resume),
+                 env=dict(_env(), DAPO_FAULT=fault), check=False)
+        assert p.returncode == -9, (fault, p.stderr[-3000:])  # killed where the fault says
+        assert sorted(os.listdir(b / "ckpt")) == left
+        last = [n for n in left if not n.endswith(".tmp")][-1]
+        for k, v in _weights(b / "ckpt" / last).items():  # the checkpoint left behind is intact
+            assert torch.equal(v, _weights(a / "ckpt" / last)[k])
+        resume = ["--resume", "true"]
+    _run(_tiny_args(tiny_model, b, *RESUME_ARGS, *resume))
     ma = {m["step"]: m for m in _metrics(a)}
-    mb = {m["step"]: m for m in _metrics(b)}  # the killed run's lines, then the resumed run's
+    mb = {m["step"]: m for m in _metrics(b)}  # the killed runs' lines, then the resumed run's
     assert [ma[s]["loss/lr"] for s in (1, 2, 3)] == pytest.approx(
         [1e-5 * s / 4 for s in (1, 2, 3)]
     )  # warm-up
@@ -1868,7 +1854,7 @@ def test_resume_after_kill_matches_uninterrupted(tiny_model, tmp_path, fault, un
         assert mb[step]["loss/lr"] == ma[step]["loss/lr"]
     wa, wb = _weights(a / "ckpt" / "step_000003"), _weights(b / "ckpt" / "step_000003")
     assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
-    assert not any(n.endswith(".tmp") for n in os.listdir(b / "ckpt"))
+    assert sorted(os.listdir(b / "ckpt")) == ["step_000001", "step_000002", "step_000003"]
 
 
 @pytest.mark.parametrize("leftover", ["metrics.jsonl", "ckpt"])
@@ -2878,27 +2864,27 @@ def test_gpu_check_dry_run_on_cpu():
 
 def test_tensor_x_data_parallel_on_four_ranks(tiny_model, tmp_path):
     """The 8-GPU node's layout in small: 4 CPU ranks as 2 engines of 2 (--rollout_tp 2) through
-    vLLM, with the scripted reward (dynamic sampling refills twice and trims one group a step), an
-    evaluation, a checkpoint, and a resumed third step. Each data-parallel group samples its own
-    prompts and each prompt is sampled once; the two ranks of an engine get the same samples;
-    every rank keeps the same groups, in the order a 1-rank run keeps them; the evaluation
-    scores each problem once; loss and gradient norm are finite and logged."""
+    vLLM, with the scripted reward (dynamic sampling refills twice and trims one group a step), a
+    checkpoint at step 1, and a resumed second step with an evaluation and a checkpoint. Each
+    data-parallel group samples its own prompts and each prompt is sampled once; the two ranks of
+    an engine get the same samples; every rank keeps the same groups, in the order a 1-rank run
+    keeps them; the evaluation scores each problem once; loss and gradient norm are finite and
+    logged."""
     args = _tiny_args(tiny_model, tmp_path, "--dynamic_sampling", "true", "--prompts_per_step", "5",
                       "--gen_prompts_per_round", "4", "--max_gen_rounds", "8",
                       "--mini_batch_prompts", "5", "--rollout_tp", "2", "--eval_every", "2",
                       "--eval_k", "2", "--save_every", "2")
-    _torchrun(4, "test_dapo.py", "layout", *args, timeout=600)
-    _torchrun(4, "test_dapo.py", "layout", *args, "--steps", "3", "--resume", "true",
-              timeout=600)
+    _torchrun(4, "test_dapo.py", "layout", *args, "--steps", "1", timeout=600)
+    _torchrun(4, "test_dapo.py", "layout", *args, "--resume", "true", timeout=600)
     ms = _metrics(tmp_path)
-    assert [m["step"] for m in ms] == [1, 2, 3]
+    assert [m["step"] for m in ms] == [1, 2]
     train_set = [json.loads(line) for line in open(os.path.join(ROOT, "data", "demo_train.jsonl"))]
     sampled = {}
     for rank in range(4):
         with open(tmp_path / f"sampled_rank{rank}.jsonl") as f:
             sampled[rank] = [json.loads(line) for line in f]
-    # 3 rounds a step, 3 steps; a round's 4 prompts split 2 and 2 over the two engines
-    assert all(len(rounds) == 9 for rounds in sampled.values())
+    # 3 rounds a step, 2 steps; a round's 4 prompts split 2 and 2 over the two engines
+    assert all(len(rounds) == 6 for rounds in sampled.values())
     assert sampled[0] == sampled[1] and sampled[2] == sampled[3]  # an engine's ranks agree
     for r, (mine, theirs) in enumerate(zip(sampled[0], sampled[2])):
         positions = sorted(p for p, _ in mine + theirs)
@@ -2920,7 +2906,7 @@ def test_tensor_x_data_parallel_on_four_ranks(tiny_model, tmp_path):
     with open(tmp_path / "eval_step000002.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert sorted(r["idx"] for r in rows) == list(range(32)) and ms[1]["eval/problems"] == 32
-    assert os.listdir(tmp_path / "ckpt") == ["step_000002", "step_000003"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_000001", "step_000002"]
 
 
 @pytest.mark.skipif(
@@ -3116,10 +3102,10 @@ def test_one_gpu_preset_fits_24_gb_and_its_window():
         window = json.load(f)["max_position_embeddings"]
     assert cfg.max_prompt_len + cfg.max_response_len <= window == 4096 and cfg.offload_optimizer
     flags = ["--preset", "dapo_1.5b", "--estimate_memory", "1", "--gpu_gib", "24"]
-    out = json.loads(_run(flags).stdout.strip().splitlines()[-1])
+    out = _plan(flags)
     assert out["fits"] and out["peak_gib"] <= 24 and out["params"] == 1543714304
     assert out["engine_kv_gib"] > 8
-    out = json.loads(_run([*flags, "--offload_optimizer", "false"]).stdout.strip().splitlines()[-1])
+    out = _plan([*flags, "--offload_optimizer", "false"])
     assert not out["fits"] and out["phases"]["train.optimizer"]["Total"] > 23
 
 
@@ -3176,7 +3162,6 @@ if __name__ == "__main__":  # workers for the multi-process tests above
         "estimate": _worker_estimate,
         "scripted_main": _worker_scripted_main,
         "layout": _worker_layout,
-        "threads": _worker_threads,
         "reshard": _worker_reshard,
         "no_engine": _worker_no_engine,
         "cuda": _worker_cuda,

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,10 +33,11 @@ TINY = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=1
 
 
 def plan(flags):
-    """The memory plan's phases for these flags (a subprocess: the plan fakes its own GPU)."""
-    cmd = [sys.executable, os.path.join(ROOT, "dapo.py"), *flags, "--estimate_memory", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])["phases"]
+    """The memory plan's phases for these flags, as `dapo.py --estimate_memory 1` gives them
+    (called before the process group is up: the plan fakes its own GPU and process group)."""
+    assert not torch.distributed.is_initialized()
+    cfg = dapo.parse_config([*flags, "--estimate_memory", "1"])
+    return dapo.load_memory_plan().estimate_memory(cfg, 1)["phases"]
 
 
 def make_groups(cfg, vocab, n_groups):
@@ -119,6 +119,8 @@ def main():
              "--logp_chunk_tokens", "1024", *lengths]
     cfg = dapo.parse_config(flags)
     dapo.quiet_libraries()
+    phases = {offload: plan([*flags, "--offload_optimizer", str(offload).lower()])
+              for offload in (False, True)}
     config = AutoConfig.from_pretrained(folder)
     layout = dapo.init_distributed(cfg)
     groups = make_groups(cfg, config.vocab_size, n_groups)
@@ -128,10 +130,10 @@ def main():
     for offload in (False, True):
         mode_cfg = dataclasses.replace(cfg, offload_optimizer=offload)
         measured = one_mode(mode_cfg, layout, config, groups)
-        offload_flag = ["--offload_optimizer", str(offload).lower()]
-        phases = plan([*flags, *offload_flag])
-        planned_gradient = max(phases["train.forward"]["Total"], phases["train.backward"]["Total"])
-        planned_optimizer = phases["train.optimizer"]["Total"]
+        planned = phases[offload]
+        planned_gradient = max(planned["train.forward"]["Total"],
+                               planned["train.backward"]["Total"])
+        planned_optimizer = planned["train.optimizer"]["Total"]
         measured.update(plan_gradient_gib=planned_gradient, plan_optimizer_gib=planned_optimizer)
         if measured["gradient_peak_gib"] is not None:
             measured["gradient_ratio"] = round(measured["gradient_peak_gib"] / planned_gradient, 3)
