@@ -553,8 +553,8 @@ def default_preset():
         print("dapo: one GPU, running the 'dapo_1.5b' preset (Qwen2.5-Math-1.5B); "
               "pass --preset dapo to override", flush=True)
         return "dapo_1.5b"
-    dtype = "bf16" if PRESETS["cpu"]["bf16"] else "fp32 (no AVX-512 BF16 or AMX)"
-    print(f"dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo) in {dtype}; "
+    dtype = "bf16" if PRESETS["cpu"]["bf16"] else "fp32: no AVX-512 BF16 or AMX"
+    print(f"dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo, default {dtype}); "
           "pass --preset dapo to override", flush=True)
     return "cpu"
 
