@@ -6,7 +6,7 @@
 take the last "Answer: ..." line of the response's last 300 characters and
 compare it with the ground truth after a Minerva-style string normalisation.
 The verdicts must match that check exactly, quirks included, or AIME numbers
-stop being comparable with the paper's (`shared/reward-spec.md` is the spec).
+stop being comparable with the paper's (`data/reward_spec.md` is the spec).
 
 Quirks a user will trip over: "Answer: 540." scores -1 (the period stays),
 "**Answer:** 540" scores -1 (the captured text is "** 540"), and an answer
