@@ -115,6 +115,6 @@ if __name__ == "__main__":
                 print(by_seed + "\n")
             if os.path.isdir(os.path.join(os.path.dirname(folder), "memory")):
                 print(memory(os.path.join(os.path.dirname(folder), "memory")) + "\n")
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "ablation"))
-        import plot  # data/ablation/plot.py: Table 1 at CPU scale
+        sys.path.insert(0, os.path.join(HERE, "ablation"))
+        import plot  # data/results/ablation/plot.py: Table 1 at CPU scale
         print(plot.table(plot.load(plot.HERE)))

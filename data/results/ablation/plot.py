@@ -1,7 +1,9 @@
-"""Ablations at CPU scale, from committed runs (README, "Ablations"): Table 1 in data/ablation/, Clip-Higher
-(Figure 2) in data/clip_higher/.
+"""Ablations at CPU scale, from committed runs (README, "Ablations"): Table 1 in
+data/results/ablation/, Clip-Higher (Figure 2) in data/results/clip_higher/.
 
-    python data/ablation/plot.py [FOLDER]   # prints the README's table; draws FOLDER/<folder name>.png
+    python data/results/ablation/plot.py [FOLDER]
+
+prints the README's table and draws FOLDER/<folder name>.png (FOLDER: this one by default).
 
 Reads FOLDER/<config>_s<seed>.jsonl (one metrics line per step, written by dapo.py) and FOLDER/wall_s.tsv.
 """

@@ -1,8 +1,8 @@
-"""Clip-Higher against entropy collapse with random rewards (data/random_reward/run.sh).
+"""Clip-Higher against entropy collapse with random rewards (data/results/random_reward/run.sh).
 
-    python data/random_reward/plot.py   # prints the table; draws random_reward.png beside it
+    python data/results/random_reward/plot.py   # the table; draws random_reward.png beside it
 
-Reads data/random_reward/<config>_s<seed>.jsonl (one metrics line per step, written by dapo.py).
+Reads data/results/random_reward/<config>_s<seed>.jsonl (one metrics line a step, from dapo.py).
 With rewards that carry no information, entropy can only move through the clip bounds; the table
 gives each setting's entropy at step 1 and over the last 3 steps (mean ± sd over seeds), its change,
 the clipped fractions of loss tokens, and the mean pi_old of the upper-clipped tokens against that
@@ -28,7 +28,7 @@ LABELS = {prefix + name: label + (", no penalty" if prefix else "")
 
 
 def load():
-    """Runs by config and seed, read by data/ablation/plot.py's loader."""
+    """Runs by config and seed, read by data/results/ablation/plot.py's loader."""
     spec = importlib.util.spec_from_file_location(
         "ablation_plot", os.path.join(HERE, "..", "ablation", "plot.py")
     )
