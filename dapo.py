@@ -18,7 +18,7 @@ changes relative to GRPO (§2.3), each a config field that turns it off:
    (Eq. 7) lives in reward.py.
 
 Also from the released recipe: dual-clip (c = 10) for negative advantages. `--preset`
-names Table 1's rows. `train()` is Algorithm 1, its ten lines labelled (`# line N`).
+names Table 1's rows. `train()` is Algorithm 1, its eleven lines labelled (`# line N`).
 
 The file has two parts. Part 1, DAPO, is this map, the config, the data of a step, the
 maths as small pure functions, the update and the training loop. Part 2, the machinery
@@ -85,11 +85,11 @@ class Config:
     model: str = opt("Qwen/Qwen2.5-32B", "policy init, hub id or folder (§4.1: Qwen2.5-32B)")
     train_data: str = opt("BytedTsinghua-SIA/DAPO-Math-17k", "hub id, .parquet or .jsonl (§4.1)")
     eval_data: str = opt("BytedTsinghua-SIA/AIME-2024", "eval set, same rows (§4.1: AIME 2024)")
-    out_dir: str = opt("runs/dapo", "run folder: metrics.jsonl, config.json, ckpt/")
+    out_dir: str = opt("", "run folder; '' = runs/<presets>-<flags that differ from them>")
     dedup_prompts: bool = opt(True, "drop repeated prompts (the hub copy repeats each ~100x)")
     reward_mode: str = opt("answer", "'answer' is the paper's; 'boxed', 'last_number', 'random'")
     # rollout (§4.1)
-    steps: int = opt(1000, "rollout steps to train (not fixed by the paper)")
+    steps: int = opt(1000, "rollout steps to train; 0: evaluate --model and exit")
     prompts_per_step: int = opt(512, "B, groups trained per step (§4.1: 512)")
     group_size: int = opt(16, "G, responses per prompt (§4.1: 16)")
     gen_prompts_per_round: int = opt(1536, "prompts per dynamic-sampling round (script: 3 x 512)")
@@ -122,18 +122,22 @@ class Config:
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward")
     offload_optimizer: bool = opt(True, "params, grads and AdamW state in host memory (FSDP2)")
     collective_timeout_min: float = opt(180.0, "longer than any rank waits for another")
-    # rollout engine (vLLM)
+    # rollout engine
+    engine: str = opt("", "'vllm', or 'transformers' (generate, one process); '' = vllm if found")
     rollout_tp: int = opt(0, "GPUs per vLLM engine; 0 = the largest of 4, 2, 1 dividing them")
     engine_mem: float = opt(0.5, "vLLM gpu_memory_utilization, GPU only")
     engine_kv_cache_gb: float = opt(0.0, "vLLM KV cache in GiB (needed on CPU); 0: engine_mem")
     engine_sleep: bool = opt(True, "free the engine's GPU memory while training (GPU only)")
+    engine_eager: bool = opt(False, "vLLM without CUDA graphs (GPU only; CPU is always eager)")
     # evaluation (§4.1)
     eval_every: int = opt(10, "evaluate every N steps; 0 = never")
+    eval_before_train: bool = opt(True, "evaluate the initial policy at step 0 (as verl does)")
     eval_k: int = opt(32, "samples per eval problem for avg@k (§4.1: 32)")
     eval_temperature: float = opt(1.0, "eval temperature (§4.1: 1.0)")
     eval_top_p: float = opt(0.7, "eval top-p (§4.1: 0.7)")
     # checkpoints, logging, planning
     save_every: int = opt(50, "checkpoint every N steps and at the end; 0 = never")
+    save_hf: bool = opt(True, "an HF folder in every checkpoint; false: in the last one only")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
     report_to: str = opt("", "also log to wandb, tensorboard or both ('wandb,tensorboard')")
@@ -142,7 +146,15 @@ class Config:
     seed: int = opt(0, "seed for data order, engine sampling and torch")
 
 
-# Table 1's rows (AIME 2024 avg@32 in the paper), each one change to the row above.
+def cpu_has_bf16():
+    """AVX-512 BF16 or AMX (x86 only; the probes are absent or False elsewhere, e.g. on a Mac)."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported",
+                                                         "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
+
+
+# Table 1's rows (AIME 2024 avg@32 in the paper), each one change to the row above. They set
+# only the techniques, so they compose after a model row: --preset cpu,grpo or dapo_1.5b,grpo.
 # Row 1, naive GRPO (30): none of §3's techniques, and no dual clip.
 GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlong_filter=False,
             overlong_buffer_len=0, dual_clip_c=0.0)
@@ -150,8 +162,9 @@ GRPO = dict(eps_high=0.2, dynamic_sampling=False, token_level_loss=False, overlo
 OVERLONG_FILTER = dict(GRPO, overlong_filter=True)
 # Row 3 (38): + Clip-Higher (§3.1), eps_high 0.2 -> 0.28.
 CLIP_HIGHER = dict(OVERLONG_FILTER, eps_high=0.28)
-# Row 4 (41): + soft overlong punishment (§3.4, Eq. 13), a 4,096-token buffer.
-SOFT_OVERLONG = dict(CLIP_HIGHER, overlong_buffer_len=4096)
+# Row 4 (41): + soft overlong punishment (§3.4, Eq. 13): row 1's 0 dropped, so the buffer is
+# the model row's (Config's 4,096 of §4.1; the demo's 12).
+SOFT_OVERLONG = {k: v for k, v in CLIP_HIGHER.items() if k != "overlong_buffer_len"}
 # Row 5 (42): + token-level loss (§3.3, Eq. 12).
 TOKEN_LEVEL = dict(SOFT_OVERLONG, token_level_loss=True)
 # Row 6, DAPO (50), as the released script runs it: row 5 + dynamic sampling (§3.2), and two
@@ -179,16 +192,18 @@ PRESETS = {
     # SmolLM2-135M on the addition demo: about 3-5 minutes on 2 cores (README).
     "cpu": dict(
         model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
-        eval_data="data/demo_eval.jsonl", out_dir="runs/cpu", reward_mode="last_number",
+        eval_data="data/demo_eval.jsonl", reward_mode="last_number",
         steps=12, prompts_per_step=8, group_size=4, gen_prompts_per_round=16, max_gen_rounds=2,
         max_prompt_len=256, max_response_len=32, overlong_buffer_len=12, lr=1e-5, warmup_steps=0,
         mini_batch_prompts=2, micro_batch_tokens=1024, share_prompt=True,
         activation_checkpointing=False, bf16_dither=True, offload_optimizer=False,
         engine_kv_cache_gb=0.5, eval_every=6, eval_k=2, save_every=12, keep_checkpoints=2,
         # bf16 autocast pays with AVX-512 BF16 or AMX; elsewhere fp32 is faster.
-        bf16=torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported(),
+        bf16=cpu_has_bf16(),
     ),
 }
+# The rows that pick hardware and model; the Table 1 rows compose after them.
+MODEL_PRESETS = ("cpu", "dapo_1.5b", "dapo_7b")
 
 # --- One step, as data (B prompts, G samples each; n tokens a response) ---
 
@@ -201,8 +216,8 @@ class Sample:
     engine_logp: list  # (n,) log-probs it was sampled with (temp., top-p)      line 4
     score: float = 0.0  # Eq. 7 reward, +1 or -1                                line 5
     penalty: float = 0.0  # Eq. 13 soft overlong penalty, <= 0                  line 5
-    adv: float = 0.0  # Eq. 9 advantage of score + penalty                      line 8
-    loss_mask: float = 1.0  # 0.0: no loss tokens (overlong filter, §3.4)       line 8
+    adv: float = 0.0  # Eq. 9 advantage of score + penalty                      line 9
+    loss_mask: float = 1.0  # 0.0: no loss tokens (overlong filter, §3.4)       line 9
     old_logp: torch.Tensor = None  # (n,) pi_old's log-probs, when mu > 1       pi_old pass
 
 
@@ -267,7 +282,7 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
 
 def assign_advantages(groups, eps, overlong_filter):
-    """Algorithm 1's line 8: sets each sample's advantage (Eq. 9) of its shaped reward (Eq. 7 +
+    """Algorithm 1's line 9: sets each sample's advantage (Eq. 9) of its shaped reward (Eq. 7 +
     Eq. 13), and its loss mask: 0 for a truncated sample under overlong filtering (§3.4)."""
     samples = [s for g in groups for s in g.samples]
     shaped = torch.tensor([s.score + s.penalty for s in samples])
@@ -328,11 +343,11 @@ def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_
     return loss, stats
 
 
-# --- The update (Algorithm 1, lines 9-10): the gradient of Eq. 8, AdamW (§4.1) ---
+# --- The update (Algorithm 1, lines 10-11): the gradient of Eq. 8, AdamW (§4.1) ---
 
 
 def policy_gradient(model, micro_batches, denominators, cfg, layout, pad_id, on_policy, sums):
-    """Line 10's gradient: minus Eq. 8 over one mini-batch, accumulated over this rank's
+    """Line 11's gradient: minus Eq. 8 over one mini-batch, accumulated over this rank's
     micro-batches (FSDP2 sums the ranks'); this rank's sums for the logs go into `sums`.
     on_policy: the step's only update, where pi_old is the current policy."""
     n_tokens, n_samples = denominators
@@ -370,7 +385,7 @@ def warmup_factor(step, warmup_steps):
 
 
 def clip_and_step(model, optim, cfg):
-    """Line 10's step: clip the gradient norm, one AdamW step (none if the norm is not finite)."""
+    """Line 11's step: clip the gradient norm, one AdamW step (none if the norm is not finite)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     # a DTensor under FSDP2: every rank's shards make up the norm
     if hasattr(grad_norm, "full_tensor"):
@@ -400,13 +415,18 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
     bad_updates = 0
     stop_requested = catch_ctrl_c(layout)
 
+    # Step 0: the initial policy's evaluation, a baseline (--steps 0: only this).
+    if state["step"] == 0 and cfg.eval_every and (cfg.eval_before_train or cfg.steps == 0):
+        metrics = {"step": 0, **evaluate(cfg, layout, engine, tok, eval_set, 0)}
+        log_metrics(cfg, logger, metrics)
+
     while state["step"] < cfg.steps:  # line 1
         step = state["step"] + 1
         t_step = time.time()
         times = {"perf/push_s": 0.0}
         reset_peak_memory()
 
-        # Lines 2-7: rounds of sampling until B groups pass Eq. 11's filter (§3.2).
+        # Lines 2-8: rounds of sampling until B groups pass Eq. 11's filter (§3.2).
         kept = []
         sampled = []
         for rounds in range(1, cfg.max_gen_rounds + 1):  # noqa: B007 (the count is read after)
@@ -415,7 +435,8 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
             state["data_pos"] += prompts_per_round
             # line 3: pi_old <- pi_theta. The engine that samples line 4 gets the weights the
             # last update left, in place (later rounds of a step find it current). The
-            # trainer's pi_old log-probs come from the same weights, before line 9.
+            # trainer's pi_old log-probs come from the same weights: see "pi_old's log-probs"
+            # before line 10.
             if engine_stale:
                 with timed(times, "perf/push_s"):
                     push_weights(model, engine, cfg, layout)
@@ -443,9 +464,11 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
                 kept += [group for group in groups if group.informative]
             else:
                 kept += groups
-            # line 7: a full buffer ends the rounds
-            if len(kept) >= cfg.prompts_per_step:
-                break
+            # line 7: if the buffer holds fewer than B groups,
+            if len(kept) < cfg.prompts_per_step:
+                # line 8: continue, another round (at most max_gen_rounds)
+                continue
+            break
         # The surplus of the last round is trimmed, the same on every rank.
         kept = kept[: cfg.prompts_per_step]
         # At the round cap the released run raised; here it warns and trains on what it has.
@@ -462,7 +485,7 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
         if kept:
             fault_point("step", step)
             sleep_engine(engine, cfg, layout)
-            # line 8: advantages (Eq. 9) of the shaped rewards, loss masks (§3.4)
+            # line 9: advantages (Eq. 9) of the shaped rewards, loss masks (§3.4)
             assign_advantages(kept, cfg.adv_eps, cfg.overlong_filter)
             # mu: one update per mini-batch of mini_batch_prompts groups (§4.1: 512 / 32 = 16);
             # fewer if the round cap left the buffer short
@@ -480,9 +503,9 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
             sums = {}
             grad_norms = []
             with timed(times, "perf/update_s"):
-                for i in range(mu):  # line 9: mu updates
+                for i in range(mu):  # line 10: mu updates
                     denominators = loss_denominators(mini_batches[i])
-                    # line 10: the mini-batch's gradient of Eq. 8, one AdamW step
+                    # line 11: the mini-batch's gradient of Eq. 8, one AdamW step
                     policy_gradient(model, plan[i], denominators, cfg, layout, pad_id, on_policy,
                                     sums)
                     grad_norms.append(clip_and_step(model, optim, cfg))
@@ -513,11 +536,17 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
 
 
 def parse_config(argv=None):
-    """Defaults < preset < explicit flags, validated before any model loads; bad ones: one line."""
+    return parse_args(argv)[0]
+
+
+def parse_args(argv=None):
+    """Defaults < presets, left to right < explicit flags, validated before any model loads; bad
+    ones: one line. Returns the Config and which preset (or "flag") set each field it sets."""
     parser = argparse.ArgumentParser(description="DAPO (arXiv 2503.14476)", allow_abbrev=False)
     parser.error = exit_with
     presets = sorted(PRESETS)
-    parser.add_argument("--preset", choices=presets, help="named overrides: " + ", ".join(presets))
+    parser.add_argument("--preset", help="named overrides, several joined by commas (a model "
+                        "row, then a Table 1 row: cpu,grpo): " + ", ".join(presets))
     # No defaults here: None marks a flag not given.
     for config_field in dataclasses.fields(Config):
         kwargs = dict(type=config_field.type, help=config_field.metadata["help"])
@@ -525,14 +554,57 @@ def parse_config(argv=None):
             kwargs.update(type=boolean, nargs="?", const=True)
         parser.add_argument(f"--{config_field.name}", **kwargs)
     args = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
-    preset = args.pop("preset", None)
-    if preset is None and "model" not in args:
-        preset = default_preset()
-    cfg = Config(**{**PRESETS[preset or "dapo"], **args})
+    names = [name.strip() for name in args.pop("preset", "").split(",") if name.strip()]
+    unknown = [name for name in names if name not in PRESETS]
+    if unknown:
+        exit_with(f"unknown preset {unknown[0]!r} in --preset: choose from {', '.join(presets)}")
+    if not names and "model" not in args:
+        names = [default_preset()]
+    values = {}
+    set_by = {}
+    for name in names:
+        values.update(PRESETS[name])
+        set_by.update(dict.fromkeys(PRESETS[name], name))
+    # the folder names the presets and the flags that differ from them
+    if "out_dir" not in args:
+        args["out_dir"] = run_folder(names, args, values)
+    values.update(args)
+    set_by.update(dict.fromkeys(args, "flag"))
+    cfg = Config(**values)
     world = cfg.estimate_memory or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = dataclasses.replace(cfg, rollout_tp=resolve_rollout_tp(cfg.rollout_tp, world))
     validate(cfg)
-    return cfg
+    if not cfg.estimate_memory:
+        cfg = dataclasses.replace(cfg, engine=resolve_engine(cfg.engine))
+    if cfg.engine == "transformers" and world > 1:
+        exit_with(f"--engine transformers samples in one process, not {world} ranks: "
+                  "use --engine vllm")
+    return cfg, set_by
+
+
+def run_folder(names, args, values):
+    """runs/<presets joined by +>-<flag=value>-...: each flag that differs from the presets'
+    value, filesystem-safe; flags that leave the run unchanged (resume, logging) are left out."""
+    parts = ["+".join(names) or "dapo"]
+    defaults = dataclasses.asdict(Config())
+    quiet = ("resume", "report_to", "collective_timeout_min", "estimate_memory", "gpu_gib")
+    for key, value in args.items():
+        if key in quiet or value == values.get(key, defaults[key]):
+            continue
+        text = f"{key}={value}"
+        parts.append("".join(c if c.isalnum() or c in "._=+" else "_" for c in text))
+    return os.path.join("runs", "-".join(parts))
+
+
+def resolve_engine(engine):
+    """--engine '': vLLM when it imports, else the policy's own generate (macOS, Windows)."""
+    if engine:
+        return engine
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "transformers"
+    return "vllm"
 
 
 def exit_with(message):
@@ -598,6 +670,10 @@ def validate(cfg):
           "lr must be > 0, warmup_steps and steps >= 0")
     modes = sorted([*reward.EXTRACTORS, "random"])
     check(cfg.reward_mode in modes, f"reward_mode {cfg.reward_mode!r} is not in {modes}")
+    check(cfg.steps > 0 or (cfg.eval_every > 0 and cfg.eval_data),
+          "steps 0 evaluates --model and exits: it needs --eval_every > 0 and --eval_data")
+    check(cfg.engine in ("", "vllm", "transformers"),
+          f"engine must be vllm or transformers, got {cfg.engine!r}")
     # random rewards say nothing of an answer: there is no check to evaluate with
     check(cfg.reward_mode != "random" or not cfg.eval_every,
           "reward_mode random has no answer check to evaluate with: pass --eval_every 0")
@@ -721,7 +797,6 @@ def parse_row(row, where):
 def read_rows(source):
     """(where, row) pairs of a hub id or a .parquet/.jsonl/.json file. A .jsonl file is read
     here a line at a time: through `datasets` a bad line was 71 lines of traceback."""
-    import datasets
     kinds = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "json"}
     kind = kinds.get(os.path.splitext(source)[1])
     if kind and not os.path.exists(source):
@@ -740,6 +815,8 @@ def read_rows(source):
                     f"dapo: {where}: not valid JSON ({message} at column {e.colno})"
                 ) from None
         return
+    # only here: a machine reading .jsonl needs no `datasets`
+    import datasets
     if kind:
         rows = datasets.load_dataset(kind, data_files=source, split="train")
     else:
@@ -900,8 +977,11 @@ def shard(model, cfg, layout, bf16_params=None):
 # --- Rollout (Algorithm 1, line 4): vLLM inside each training process ---
 
 
-def make_engine(cfg, layout):
-    """vLLM in this rank's process (external_launcher), tensor-parallel over its DP group."""
+def make_engine(cfg, layout, model, tok):
+    """vLLM in this rank's process (external_launcher), tensor-parallel over its DP group; or,
+    with --engine transformers, the policy itself (PolicyEngine)."""
+    if cfg.engine == "transformers":
+        return policy_engine(cfg, layout, model, tok)
     from vllm import LLM
     cuda = layout.device.type == "cuda"
     kwargs = dict(gpu_memory_utilization=cfg.engine_mem)
@@ -936,10 +1016,12 @@ def make_engine(cfg, layout):
 def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
     """n responses to each prompt: per prompt, n Samples (token ids, never re-tokenised, finish
     reason, sampled log-probs). seeds: one per prompt (its samples take seed, seed + 1, ...)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
     if seeds is None:
         seeds = [None] * len(prompts)
+    if isinstance(engine, PolicyEngine):
+        return policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                              logprobs=0, seed=seed) for seed in seeds]
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
@@ -954,6 +1036,115 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
             samples.append(Sample(ids=token_ids, finish=finish, engine_logp=logps))
         results.append(samples)
     return results
+
+
+# --- Rollout without vLLM (--engine transformers): the policy samples itself ---
+
+
+@dataclass
+class PolicyEngine:
+    """The trained policy sampling with transformers' generate in this one process: no second
+    copy of the weights, nothing to push at line 3, nothing to put to sleep."""
+    model: object
+    device: torch.device
+    eos_ids: list  # the tokenizer's and the generation config's, as vLLM stops on both
+    pad_id: int
+    autocast: bool  # bf16 autocast on CPU, as the trainer computes
+
+
+def policy_engine(cfg, layout, model, tok):
+    from transformers import GenerationConfig
+    eos_ids = {tok.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(cfg.model).eos_token_id
+    except OSError:
+        eos = None
+    if isinstance(eos, int):
+        eos = [eos]
+    eos_ids.update(eos or [])
+    autocast = cfg.bf16 and layout.device.type == "cpu"
+    return PolicyEngine(model, layout.device, sorted(eos_ids), tok.pad_token_id, autocast)
+
+
+class SeededSampler:
+    """The last logits processor: draws each row's next token from the distribution the earlier
+    processors left (temperature, top-p) with the row's own generator, keeps its log-prob, and
+    leaves greedy generate only that token: a sample's draws depend on its seed, not its batch."""
+
+    def __init__(self, generators):
+        self.generators = generators
+        self.logps = []
+
+    def __call__(self, input_ids, scores):
+        logp = scores.float().log_softmax(-1)
+        probs = logp.exp()
+        tokens = [torch.multinomial(row, 1, generator=generator)
+                  for row, generator in zip(probs, self.generators)]
+        tokens = torch.cat(tokens)[:, None]
+        self.logps.append(logp.gather(-1, tokens).squeeze(-1))
+        return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
+
+
+@torch.no_grad()
+def policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds):
+    """generate()'s Samples from the policy: sample j of a prompt drawn with seed + j, as vLLM
+    seeds, in batches of GENERATE_ROWS left-padded rows, with the log-probs they were drawn from."""
+    from transformers import (GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper,
+                              TopPLogitsWarper)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens,
+                              eos_token_id=engine.eos_ids, pad_token_id=engine.pad_id)
+    rows = [(prompt, seed + j) for prompt, seed in zip(prompts, seeds) for j in range(n)]
+    samples = []
+    for start in range(0, len(rows), GENERATE_ROWS):
+        batch = rows[start : start + GENERATE_ROWS]
+        width = max(len(prompt) for prompt, _ in batch)
+        ids = torch.full((len(batch), width), engine.pad_id, device=engine.device)
+        mask = torch.zeros_like(ids)
+        generators = []
+        for i, (prompt, seed) in enumerate(batch):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+            generators.append(torch.Generator(engine.device).manual_seed(seed))
+        sampler = SeededSampler(generators)
+        processors = [sampler]
+        if top_p < 1:
+            processors.insert(0, TopPLogitsWarper(top_p))
+        if temperature != 1:
+            processors.insert(0, TemperatureLogitsWarper(temperature))
+        with eval_mode(engine.model), torch.autocast("cpu", torch.bfloat16,
+                                                     enabled=engine.autocast):
+            out = engine.model.generate(ids, attention_mask=mask, generation_config=config,
+                                        logits_processor=LogitsProcessorList(processors))
+        logps = torch.stack(sampler.logps, 1).tolist()
+        for row, row_logp in zip(out[:, width:].tolist(), logps):
+            samples.append(policy_sample(row, row_logp, engine.eos_ids))
+    return [samples[i : i + n] for i in range(0, len(samples), n)]
+
+
+# Rows per generate call: the KV cache of 64 rows of 4,096 tokens is 7.5 GB at 1.5B (bf16).
+GENERATE_ROWS = 64
+
+
+def policy_sample(token_ids, logps, eos_ids):
+    """One generated row as a Sample: up to and with its first end-of-sequence token (the
+    padding after it dropped), or all of it when it ran into max_tokens."""
+    for n, token in enumerate(token_ids, 1):
+        if token in eos_ids:
+            return Sample(ids=token_ids[:n], finish="stop", engine_logp=logps[:n])
+    return Sample(ids=token_ids, finish="length", engine_logp=logps)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """generate in eval mode: activation checkpointing (training mode only) turns the KV cache
+    off. FSDP2 gathers each unit per token (with one rank, a copy; gathering once for the whole
+    rollout measured slower here, 2-core AMD EPYC)."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 # --- The update's batches: rows, micro-batches, every rank's share ---
@@ -1234,6 +1425,9 @@ def run_dtype(cfg):
 def push_weights(model, engine, cfg, layout):
     """Wake the engine's weights (GPU), load the trained ones into them a tensor at a time on
     the device in the engine's dtype (no disk, no full copy), then wake its KV cache."""
+    # --engine transformers: the engine is the policy
+    if isinstance(engine, PolicyEngine):
+        return
     wake_engine(engine, cfg, layout, ["weights"])
     weights = full_params(model, run_dtype(cfg), layout.device)
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -1244,7 +1438,7 @@ def push_weights(model, engine, cfg, layout):
 
 def sleep_engine(engine, cfg, layout):
     """GPU only: sleep level 1 frees the KV cache and moves the weights to CPU memory."""
-    if layout.device.type == "cuda" and cfg.engine_sleep:
+    if layout.device.type == "cuda" and cfg.engine_sleep and cfg.engine == "vllm":
         # the trainer's cached blocks go back first
         torch.cuda.empty_cache()
         engine.sleep(level=1)
@@ -1252,7 +1446,7 @@ def sleep_engine(engine, cfg, layout):
 
 def wake_engine(engine, cfg, layout, tags):
     """GPU only: bring back the engine's "weights" (before the push), then its "kv_cache"."""
-    if layout.device.type == "cuda" and cfg.engine_sleep:
+    if layout.device.type == "cuda" and cfg.engine_sleep and cfg.engine == "vllm":
         torch.cuda.empty_cache()
         engine.wake_up(tags=tags)
 
@@ -1291,7 +1485,7 @@ def evaluate(cfg, layout, engine, tok, examples, step):
 
 def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger, state, metrics,
                 t_step, engine_stale, stop_requested):
-    """After line 10: evaluate when due (pushing the updated policy first, so line 3 then
+    """After line 11: evaluate when due (pushing the updated policy first, so line 3 then
     skips), stop on every rank together after a Ctrl-C, checkpoint when due, log the step.
     Returns whether the engine is still stale and whether to stop."""
     step = state["step"]
@@ -1318,7 +1512,8 @@ def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger,
 
 
 def save_checkpoint(cfg, layout, model, optim, sched, tok, state, final):
-    """Sharded DCP state (for resume) and, in the final checkpoint, an HF folder."""
+    """Sharded DCP state (for resume) and an HF folder (hf/: transformers and vLLM load it), in
+    every checkpoint with --save_hf (the default), else in the last one."""
     rank = layout.rank
     root = os.path.join(cfg.out_dir, "ckpt")
     name = f"step_{state['step']:06d}"
@@ -1328,7 +1523,7 @@ def save_checkpoint(cfg, layout, model, optim, sched, tok, state, final):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    if final:
+    if final or cfg.save_hf:
         # The run's dtype: bf16 would round an fp32 run's small updates away.
         dtype = run_dtype(cfg)
         # every rank gathers (a collective); rank 0 keeps
@@ -1514,9 +1709,10 @@ def quiet_libraries():
     # deprecations inside vLLM
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.formatwarning = one_line_warning
-    import datasets
+    # datasets' bars: set in the environment, as `datasets` is imported only to read a hub
+    # id or a parquet file (a machine may have none)
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import transformers
-    datasets.disable_progress_bars()
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
@@ -1533,29 +1729,47 @@ def cpu_setup(layout):
     was page-faulted in again (28% of the demo's CPU time). memory_metrics trims the heap after
     each step. The kernel-cache caps set at import: at 1,024 kernels per shape (the default)
     oneDNN's and ideep's caches grew the heap 60-130 MB a step."""
-    if layout.device.type != "cpu":
+    libc = glibc()
+    if layout.device.type != "cpu" or libc is None:
         return
-    # glibc's (vLLM runs on Linux with glibc)
-    libc = ctypes.CDLL(None)
     # M_MMAP_MAX: big blocks from the heap, not mmap
     libc.mallopt(-4, 0)
     # M_TRIM_THRESHOLD: never trim the heap's top
     libc.mallopt(-1, 2**31 - 1)
 
 
+def glibc():
+    """glibc's malloc controls, or None where the C library has none (macOS, Windows, musl)."""
+    try:
+        libc = ctypes.CDLL(None)
+    except (OSError, TypeError):
+        return None
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return None
+    return libc
+
+
+# Linux's per-process files; where absent (macOS, Windows) the memory figures are not logged.
+PROC = "/proc/self"
+
+
 def reset_peak_memory():
     """Resets the kernel's peak RSS (VmHWM), so perf/peak_rss_gb is this step's (Linux)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    if os.path.exists(os.path.join(PROC, "clear_refs")):
+        with open(os.path.join(PROC, "clear_refs"), "w") as f:
+            f.write("5")
 
 
 def memory_metrics(layout):
     """This step's peak RSS; on CPU the heap's free pages back to the OS; the RSS after."""
-    with open("/proc/self/status") as f:
+    libc = glibc()
+    if layout.device.type == "cpu" and libc is not None:
+        libc.malloc_trim(0)
+    if not os.path.exists(os.path.join(PROC, "status")):
+        return {}
+    with open(os.path.join(PROC, "status")) as f:
         peak_kib = int(f.read().split("VmHWM:")[1].split()[0])
-    if layout.device.type == "cpu":
-        ctypes.CDLL(None).malloc_trim(0)
-    with open("/proc/self/statm") as f:
+    with open(os.path.join(PROC, "statm")) as f:
         rss_pages = int(f.read().split()[1])
     rss_gb = rss_pages * os.sysconf("SC_PAGESIZE") / 2**30
     return {"perf/peak_rss_gb": peak_kib / 2**20, "perf/rss_gb": rss_gb}
@@ -1573,7 +1787,7 @@ def ensure_demo_model(path):
 
 def close(engine):
     """vLLM's teardown destroys its process groups and ours: now, not at exit (a traceback)."""
-    if engine is not None:
+    if engine is not None and not isinstance(engine, PolicyEngine):
         engine.llm_engine.engine_core.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1582,43 +1796,59 @@ def close(engine):
 # --- Main: set-up, then train() ---
 
 
-def start(cfg):
-    """Processes, run folder, policy, data, fit check and engine, in that order (bad data first)."""
+def start(cfg, set_by=None):
+    """Run folder, the fit check, processes, policy, data and engine, in that order: bad input
+    and a plan that cannot fit stop before any weight is read."""
+    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+        raise SystemExit(f"dapo: --out_dir {cfg.out_dir} is a file, not a folder")
     ran = [n for n in ("metrics.jsonl", "ckpt/") if os.path.exists(os.path.join(cfg.out_dir, n))]
     # every rank stops here, not at the first save hours in
     if ran and not cfg.resume:
         raise SystemExit(f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or "
                          "another --out_dir")
+    check_fit_from_config(cfg)
     layout = init_distributed(cfg)
     cpu_setup(layout)
     if layout.rank == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
-        print(f"dapo: resolved config in {cfg.out_dir}/config.json", flush=True)
+        how = "--engine" if (set_by or {}).get("engine") else "vLLM imports" if cfg.engine == \
+            "vllm" else "vLLM does not import"
+        print(f"dapo: rollout engine {cfg.engine} ({how}); run folder {cfg.out_dir}", flush=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=1)
+            json.dump(dict(dataclasses.asdict(cfg), set_by=set_by or {}), f, indent=1)
     # the demo model and the run folder exist before anyone reads them
     dist.barrier()
     tok, model = load_policy(cfg, layout)
     load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len,
                              rank=layout.rank)
-    train_set = load(cfg.train_data, dedup=cfg.dedup_prompts)
+    train_set = load(cfg.train_data, dedup=cfg.dedup_prompts) if cfg.steps else []
     eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_every else []
-    # before vLLM starts
-    if layout.device.type == "cuda" and not cfg.engine_kv_cache_gb:
-        n_params = sum(p.numel() for p in model.parameters())
-        gpu_bytes = torch.cuda.mem_get_info()[1]
-        load_memory_plan().check_fit(cfg, n_params, layout.world, gpu_bytes)
-    engine = make_engine(cfg, layout)
+    engine = make_engine(cfg, layout, model, tok)
     return layout, tok, model, train_set, eval_set, engine
 
 
+def check_fit_from_config(cfg):
+    """On GPUs, before any weight is read: the plan's static check, from the model's config on
+    meta (a 32B checkpoint is 65 GB to read first)."""
+    if not torch.cuda.is_available() or cfg.engine != "vllm" or cfg.engine_kv_cache_gb:
+        return
+    from transformers import AutoModelForCausalLM
+    plan = load_memory_plan()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(plan.model_config(cfg))
+    n_params = sum(p.numel() for p in model.parameters())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    plan.check_fit(cfg, n_params, world, gpu_bytes)
+
+
 def main(argv=None):
-    cfg = parse_config(argv)
     quiet_libraries()
+    cfg, set_by = parse_args(argv)
     if cfg.estimate_memory:
         return load_memory_plan().estimate_memory(cfg, cfg.estimate_memory)
-    layout, tok, model, train_set, eval_set, engine = start(cfg)
+    layout, tok, model, train_set, eval_set, engine = start(cfg, set_by)
     logger = open_logger(cfg, layout)
     # finally: also after a second Ctrl-C mid-step (nothing saved, the last checkpoint kept)
     try:
