@@ -977,7 +977,7 @@ def shard(model, cfg, layout, bf16_params=None):
 # --- Rollout (Algorithm 1, line 4): vLLM inside each training process ---
 
 
-def make_engine(cfg, layout, model, tok):
+def make_engine(cfg, layout, model=None, tok=None):
     """vLLM in this rank's process (external_launcher), tensor-parallel over its DP group; or,
     with --engine transformers, the policy itself (PolicyEngine)."""
     if cfg.engine == "transformers":
@@ -1438,7 +1438,7 @@ def push_weights(model, engine, cfg, layout):
 
 def sleep_engine(engine, cfg, layout):
     """GPU only: sleep level 1 frees the KV cache and moves the weights to CPU memory."""
-    if layout.device.type == "cuda" and cfg.engine_sleep and cfg.engine == "vllm":
+    if layout.device.type == "cuda" and cfg.engine_sleep and not isinstance(engine, PolicyEngine):
         # the trainer's cached blocks go back first
         torch.cuda.empty_cache()
         engine.sleep(level=1)
@@ -1446,7 +1446,7 @@ def sleep_engine(engine, cfg, layout):
 
 def wake_engine(engine, cfg, layout, tags):
     """GPU only: bring back the engine's "weights" (before the push), then its "kv_cache"."""
-    if layout.device.type == "cuda" and cfg.engine_sleep and cfg.engine == "vllm":
+    if layout.device.type == "cuda" and cfg.engine_sleep and not isinstance(engine, PolicyEngine):
         torch.cuda.empty_cache()
         engine.wake_up(tags=tags)
 
@@ -1812,9 +1812,11 @@ def start(cfg, set_by=None):
     if layout.rank == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
-        how = "--engine" if (set_by or {}).get("engine") else "vLLM imports" if cfg.engine == \
-            "vllm" else "vLLM does not import"
-        print(f"dapo: rollout engine {cfg.engine} ({how}); run folder {cfg.out_dir}", flush=True)
+        how = "--engine"
+        if "engine" not in (set_by or {}):
+            how = {"vllm": "vLLM imports", "transformers": "vLLM does not import"}[cfg.engine]
+        print(f"dapo: resolved config in {cfg.out_dir}/config.json; rollout engine "
+              f"{cfg.engine} ({how})", flush=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(dict(dataclasses.asdict(cfg), set_by=set_by or {}), f, indent=1)
     # the demo model and the run folder exist before anyone reads them
