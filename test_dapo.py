@@ -3535,3 +3535,31 @@ def test_fit_check_runs_before_any_weight_is_read(tmp_path):
     assert p.stderr.strip().splitlines()[-1].startswith("dapo: 7.6B parameters do not fit 1 x 8 "
                                                          "GiB as configured: try ")
     assert "cannot load" not in p.stderr
+
+
+def test_engine_args_for_a_gpu_layout():
+    """LLM(...)'s arguments, built for 8 GPUs in engines of 4 without a GPU: our share of the GPU
+    always passed (vLLM's start-up check demands 0.92 of it otherwise, even with a KV cache
+    size), CUDA graphs on and backed up in sleep unless --engine_eager, the engine seed per DP
+    group; on CPU eager, one prefill pass, no sleep."""
+    cfg = dapo.Config(model="m", engine_mem=0.4, engine_kv_cache_gb=2.0, seed=7)
+    rank5 = dapo.Layout(rank=5, world=8, tp=4, dp_rank=1, n_dp=2, device=torch.device("cuda"))
+    args = dapo.engine_args(cfg, rank5)
+    assert args["gpu_memory_utilization"] == 0.4 and args["kv_cache_memory_bytes"] == 2 << 30
+    assert (args["tensor_parallel_size"], args["seed"], args["dtype"]) == (4, 8, "bfloat16")
+    assert args["enforce_eager"] is False and args["sleep_mode_offload_cudagraph"] is True
+    assert args["enable_sleep_mode"] is True and args["logprobs_mode"] == "processed_logprobs"
+    assert args["max_model_len"] == cfg.max_prompt_len + cfg.max_response_len
+    assert "enable_chunked_prefill" not in args
+    eager = dapo.engine_args(dataclasses.replace(cfg, engine_eager=True), rank5)
+    assert eager["enforce_eager"] is True and eager["sleep_mode_offload_cudagraph"] is False
+    awake = dapo.engine_args(dataclasses.replace(cfg, engine_sleep=False), rank5)
+    assert awake["enable_sleep_mode"] is False and awake["sleep_mode_offload_cudagraph"] is False
+    cpu = dapo.engine_args(dataclasses.replace(cfg, bf16=False), _layout())
+    assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False
+    assert cpu["enable_sleep_mode"] is False and "gpu_memory_utilization" not in cpu
+    assert cpu["dtype"] == "float32" and cpu["max_num_batched_tokens"] == 2048 + 20480
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(args) - known <= {"use_tqdm_on_load"} and set(cpu) - known <= {"use_tqdm_on_load"}
