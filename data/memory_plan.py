@@ -150,7 +150,7 @@ def estimate_memory(cfg, n_gpus):
     host = 0
     for phase, peak in peaks.items():
         by_category = {getattr(c, "value", c): v for c, v in peak.items() if v and c != "Total"}
-        # asleep, the engine's KV cache is freed and its weights are in host memory
+        # asleep (level 2), the engine's KV cache and weights are freed
         by_category["Engine"] = 0
         if phase == "rollout" or not cfg.engine_sleep:
             by_category["Engine"] = engine
@@ -159,8 +159,8 @@ def estimate_memory(cfg, n_gpus):
         host = max(host, sum(v for c, v in by_category.items() if c in on_host))
     peak_phase = max(phases, key=lambda phase: phases[phase]["Total"])
     peak_gib = phases[peak_phase]["Total"]
-    # a node's host memory: each rank's offloaded state, + vLLM's weights pinned while asleep
-    host_per_node = min(n_gpus, 8) * (host + engine_weights * cfg.engine_sleep) / GiB
+    # a node's host memory: each rank's offloaded state (sleep level 2 backs no weights up)
+    host_per_node = min(n_gpus, 8) * host / GiB
     fits = peak_gib <= cfg.gpu_gib and engine > engine_weights
     out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=cfg.gpu_gib, tokens=T, params=n_params,
                peak_phase=peak_phase, peak_gib=peak_gib, fits=fits,
