@@ -21,6 +21,9 @@ def load(path):
 
 
 def cpu_name(folder):
+    """The CPU its command.txt names; an experiment's folder (ablation/...) goes by its name."""
+    if not os.path.exists(os.path.join(folder, "command.txt")):
+        return os.path.basename(folder)
     with open(os.path.join(folder, "command.txt")) as f:
         return next((line[len("# cpu:"):].strip() for line in f if line.startswith("# cpu:")), os.path.basename(folder))
 
@@ -115,6 +118,9 @@ if __name__ == "__main__":
                 print(by_seed + "\n")
             if os.path.isdir(os.path.join(os.path.dirname(folder), "memory")):
                 print(memory(os.path.join(os.path.dirname(folder), "memory")) + "\n")
+        # the experiments (ablation/, clip_higher/, random_reward/, each with its run.sh): a row a run
+        for run_sh in sorted(glob.glob(os.path.join(HERE, "*", "run.sh"))):
+            print(summary(os.path.dirname(run_sh)) + "\n")
         sys.path.insert(0, os.path.join(HERE, "ablation"))
         import plot  # data/results/ablation/plot.py: Table 1 at CPU scale
         print(plot.table(plot.load(plot.HERE)))
