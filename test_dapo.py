@@ -3436,10 +3436,11 @@ def test_presets_compose_left_to_right():
     ],
 )
 def test_bad_presets_and_steps_0_are_one_line(flags, message, tmp_path):
-    """Bad input is one line and nothing is written (no run folder)."""
-    p = _run([*flags, "--out_dir", str(tmp_path / "out")], check=False, env=_console_env())
-    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
-    assert message in p.stderr and not (tmp_path / "out").exists()
+    """Bad input is one line, before anything is written (no run folder)."""
+    with pytest.raises(SystemExit) as e:
+        dapo.main([*flags, "--out_dir", str(tmp_path / "out")])
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("dapo: ") and not (tmp_path / "out").exists()
 
 
 def test_out_dir_that_is_a_file_is_one_line(tmp_path):

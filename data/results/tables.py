@@ -16,8 +16,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load(path):
+    """A run's training steps (step 0, the evaluation before training, has no rollout)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row for row in rows if "reward/accuracy" in row]
 
 
 def cpu_name(folder):
