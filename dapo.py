@@ -27,6 +27,7 @@ its banner; a reader with the paper may stop there.
 
 Run:
     python dapo.py                        # no GPU: the CPU demo; one GPU: --preset dapo_1.5b
+    python dapo.py --preset cpu,grpo      # a Table 1 row on the demo (no vLLM: transformers)
     torchrun --nproc_per_node 8 dapo.py --model Qwen/Qwen2.5-32B   # one node (8 x 80 GB)
     torchrun --nproc_per_node 8 dapo.py --preset dapo_7b           # one node, Qwen2.5-Math-7B
     python dapo.py --preset dapo --estimate_memory 8               # the 32B run's memory plan
@@ -512,10 +513,10 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
 
 
 # ==========================================================================================
-# Part 2: the machinery. Processes and ranks, data, the FSDP2 policy, the vLLM engine and
-# the weight push, log-probs and micro-batches, evaluation, checkpoints, the memory plan,
-# logging and CPU tuning. A reader with the paper may stop here: nothing below changes
-# what the maths above computes, only where and how fast.
+# Part 2: the machinery. Processes and ranks, data, the FSDP2 policy, the rollout engines and
+# the weight push, log-probs and micro-batches, evaluation, checkpoints and logging (the memory
+# plan and CPU tuning: data/memory_plan.py). A reader with the paper may stop here: nothing
+# below changes what the maths above computes, only where and how fast.
 # ==========================================================================================
 
 # --- Config: flags, presets, validation ---
@@ -583,12 +584,11 @@ def run_folder(names, args, values):
 
 
 def resolve_engine(engine):
-    """--engine '': vLLM when it imports, else the policy's own generate (macOS, Windows)."""
+    """--engine '': vLLM where it is installed, else the policy's own generate (macOS, Windows).
+    Found, not imported: importing vLLM takes seconds a start, and a bad flag should not wait."""
     if engine:
         return engine
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("vllm") is None:
         return "transformers"
     return "vllm"
 
@@ -1003,8 +1003,7 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
         return policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    # token ids only (dapo decodes what it scores) and the sampled token's log-prob in flat lists,
-    # not a dict per token
+    # token ids only (dapo decodes what it scores), the sampled token's log-prob in flat lists
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                              logprobs=0, seed=seed, detokenize=False, flat_logprobs=True)
               for seed in seeds]
@@ -1557,8 +1556,7 @@ def fault_point(name, step):
         os.kill(os.getpid(), 9)
 
 
-# --- data/memory_plan.py: the memory plan (--estimate_memory N, no GPU), the fit and layout
-# checks before any weight is read, and the CPU's allocator settings and memory figures ---
+# --- data/memory_plan.py: the memory plan (no GPU), fit and layout checks, CPU memory ---
 
 
 @functools.cache
@@ -1644,8 +1642,7 @@ def quiet_libraries():
     # deprecations inside vLLM
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.formatwarning = one_line_warning
-    # datasets' bars: set in the environment, as `datasets` is imported only to read a hub
-    # id or a parquet file (a machine may have none)
+    # datasets' bars without importing it (only hub ids and parquet need it; may be absent)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import transformers
     transformers.utils.logging.set_verbosity_error()
@@ -1654,9 +1651,6 @@ def quiet_libraries():
 
 def one_line_warning(message, category, *args, **kwargs):
     return f"{category.__name__}: {message}\n"
-
-
-# --- The CPU demo's model ---
 
 
 def ensure_demo_model(path):
@@ -1698,7 +1692,7 @@ def start(cfg, set_by=None):
     if layout.rank == 0:
         ensure_demo_model(cfg.model)
         os.makedirs(cfg.out_dir, exist_ok=True)
-        how = {"vllm": "vLLM imports", "transformers": "vLLM does not import"}[cfg.engine]
+        how = {"vllm": "vLLM found", "transformers": "no vLLM"}[cfg.engine]
         if "engine" in (set_by or {}):
             how = "--engine"
         print(f"dapo: resolved config in {cfg.out_dir}/config.json; rollout engine "
@@ -1741,6 +1735,11 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
+        # A finished run skips the interpreter's teardown, where gloo's threads have aborted one
+        # ("terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except SystemExit as e:
         # Bad input is one line, from rank 0: the other ranks meet the same check and wait
         # for torchrun to end them (an error of their own shows after the wait).
