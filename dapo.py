@@ -1735,11 +1735,13 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-        # A finished run skips the interpreter's teardown, where gloo's threads have aborted one
-        # ("terminate called without an active exception").
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        # A finished run without vLLM (which unlinks its shared memory at teardown) skips the
+        # teardown, where gloo's threads have aborted one ("terminate called without an active
+        # exception").
+        if "vllm" not in sys.modules:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except SystemExit as e:
         # Bad input is one line, from rank 0: the other ranks meet the same check and wait
         # for torchrun to end them (an error of their own shows after the wait).
