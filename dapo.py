@@ -552,11 +552,11 @@ def parse_args(argv=None):
     for name in names:
         values.update(PRESETS[name])
         set_by.update(dict.fromkeys(PRESETS[name], name))
+    set_by.update(dict.fromkeys(args, "flag"))
     # the folder names the presets and the flags that differ from them
     if "out_dir" not in args:
         args["out_dir"] = run_folder(names, args, values)
     values.update(args)
-    set_by.update(dict.fromkeys(args, "flag"))
     cfg = Config(**values)
     world = cfg.estimate_memory or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = dataclasses.replace(cfg, rollout_tp=resolve_rollout_tp(cfg.rollout_tp, world))
