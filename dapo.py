@@ -122,7 +122,7 @@ class Config:
     # rollout engine
     engine: str = opt("", "'vllm', or 'transformers' (generate, one process); '' = vllm if found")
     rollout_tp: int = opt(0, "GPUs per vLLM engine; 0 = the largest of 4, 2, 1 dividing them")
-    engine_mem: float = opt(0.5, "vLLM gpu_memory_utilization, GPU only")
+    engine_mem: float = opt(0.0, "vLLM gpu_memory_utilization (GPU); 0: from the memory plan")
     engine_kv_cache_gb: float = opt(0.0, "vLLM KV cache in GiB (needed on CPU); 0: engine_mem")
     engine_sleep: bool = opt(True, "free the engine's GPU memory while training (GPU only)")
     engine_eager: bool = opt(False, "vLLM without CUDA graphs (GPU only; CPU is always eager)")
@@ -444,7 +444,8 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
             with timed(times, "perf/reward_s"):
                 score_groups(groups, tok, cfg)
             # every data-parallel group's groups, in stream order, on every rank
-            groups = gather_groups(groups, layout)
+            with timed(times, "perf/gather_s"):
+                groups = gather_groups(groups, prompts, layout)
             sampled += groups
             # line 6: Eq. 11's verdict on each group; those that pass go into the buffer
             correct = torch.tensor([s.score > 0 for g in groups for s in g.samples])
@@ -522,10 +523,6 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
 # --- Config: flags, presets, validation ---
 
 
-def parse_config(argv=None):
-    return parse_args(argv)[0]
-
-
 def parse_args(argv=None):
     """Defaults < presets, left to right < explicit flags, validated before any model loads; bad
     ones: one line. Returns the Config and which preset (or "flag") set each field it sets."""
@@ -586,11 +583,8 @@ def run_folder(names, args, values):
 def resolve_engine(engine):
     """--engine '': vLLM where it is installed, else the policy's own generate (macOS, Windows).
     Found, not imported: importing vLLM takes seconds a start, and a bad flag should not wait."""
-    if engine:
-        return engine
-    if importlib.util.find_spec("vllm") is None:
-        return "transformers"
-    return "vllm"
+    found = importlib.util.find_spec("vllm") is not None
+    return engine or ("vllm" if found else "transformers")
 
 
 def exit_with(message):
@@ -650,8 +644,8 @@ def validate(cfg):
           f"micro_batch_tokens ({cfg.micro_batch_tokens}) must hold one full sequence "
           f"(max_prompt_len + max_response_len = {tokens})")
     check(cfg.temperature > 0 and cfg.eval_temperature > 0
-          and 0 < cfg.top_p <= 1 and 0 < cfg.eval_top_p <= 1,
-          "temperatures must be > 0 and top-p in (0, 1]")
+          and 0 < cfg.top_p <= 1 and 0 < cfg.eval_top_p <= 1 and 0 <= cfg.engine_mem < 1,
+          "temperatures must be > 0, top-p in (0, 1] and engine_mem in [0, 1)")
     check(cfg.lr > 0 and cfg.warmup_steps >= 0 and cfg.steps >= 0,
           "lr must be > 0, warmup_steps and steps >= 0")
     modes = sorted([*reward.EXTRACTORS, "random"])
@@ -719,7 +713,6 @@ def init_distributed(cfg):
         raise SystemExit(f"dapo: world size {world} is not a multiple of rollout_tp {tp}")
     torch.manual_seed(cfg.seed + rank)
     device = torch.device("cuda") if cuda else torch.device("cpu")
-    # An engine spans tp ranks; each engine is one data-parallel group of the rollout.
     return Layout(rank=rank, world=world, tp=tp, dp_rank=rank // tp, n_dp=world // tp,
                   device=device)
 
@@ -731,21 +724,41 @@ def all_reduce(values, layout, op=dist.ReduceOp.SUM):
     return tensor.tolist()
 
 
-def gather_dp(obj, layout):
-    """Every data-parallel group's object, in DP order, on every rank (an engine's first sends)."""
-    out = [None] * layout.world
-    sent = obj if layout.rank % layout.tp == 0 else None
-    dist.all_gather_object(out, sent)
-    return out[:: layout.tp]
+def all_gather_1d(tensor, layout):
+    """Every rank's 1-D tensor, whatever its length, on every rank (over NCCL on GPUs)."""
+    sizes = [torch.tensor(0, device=layout.device) for _ in range(layout.world)]
+    dist.all_gather(sizes, torch.tensor(tensor.numel(), device=layout.device))
+    padded = torch.zeros(max(1, max(sizes).item()), dtype=tensor.dtype, device=layout.device)
+    padded[: tensor.numel()] = tensor
+    parts = [torch.empty_like(padded) for _ in range(layout.world)]
+    dist.all_gather(parts, padded)
+    return [part[:size].cpu() for part, size in zip(parts, sizes)]
 
 
-def gather_groups(my_groups, layout):
-    """A round's groups from every data-parallel group, back in stream order (group i was
-    sampled by DP rank i % n_dp), on every rank. A collective: all ranks, every round."""
-    parts = gather_dp(my_groups, layout)
-    n_dp = layout.n_dp
-    total = sum(len(part) for part in parts)
-    return [parts[i % n_dp][i // n_dp] for i in range(total)]
+def gather_groups(my_groups, prompts, layout):
+    """A round's scored groups on every rank, in stream order (prompt i was sampled by DP rank
+    i % n_dp). A collective, every round. Each DP group's samples travel as one float64 tensor
+    (token ids are exact below 2**53): the number of samples, then per sample its length,
+    finish, score and penalty, then all token ids, then all log-probs."""
+    samples = [s for group in my_groups for s in group.samples]
+    head = [x for s in samples for x in (len(s.ids), s.finish == "length", s.score, s.penalty)]
+    ids = [t for s in samples for t in s.ids]
+    logps = [x for s in samples for x in s.engine_logp]
+    sent = torch.tensor([len(samples), *head, *ids, *logps], dtype=torch.float64)
+    by_dp = []
+    for part in all_gather_1d(sent, layout)[:: layout.tp]:
+        n = int(part[0])
+        head = part[1 : 1 + 4 * n].view(n, 4).tolist()
+        lengths = [int(length) for length, *_ in head]
+        ids, logps = part[1 + 4 * n :].split([sum(lengths), sum(lengths)])
+        by_dp.append([])
+        for (_, truncated, score, penalty), i, logp in zip(head, ids.long().split(lengths),
+                                                           logps.split(lengths)):
+            finish = "length" if truncated else "stop"
+            by_dp[-1].append(Sample(i.tolist(), finish, logp.tolist(), score, penalty))
+    G = sum(map(len, by_dp)) // len(prompts)
+    return [Group(**prompt, samples=by_dp[i % layout.n_dp][i // layout.n_dp * G :][:G])
+            for i, prompt in enumerate(prompts)]
 
 
 # --- Data: rows -> (prompt token ids, ground truth) ---
@@ -885,8 +898,7 @@ def load_policy(cfg, layout):
                                                      attn_implementation="sdpa")
         # In the checkpoint's dtype: the copy upcasts to fp32 exactly.
         if layout.rank == 0:
-            full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto")
-            full = full.state_dict()
+            full = AutoModelForCausalLM.from_pretrained(cfg.model, dtype="auto").state_dict()
     except (OSError, ValueError, KeyError) as e:
         first_line = str(e).splitlines()[0]
         raise SystemExit(f"dapo: cannot load {cfg.model!r} as a causal LM: {first_line}") from e
@@ -1361,9 +1373,7 @@ def rollout_metrics(sampled, kept, rounds, layout, rollout_s):
 
 def check_finite(bad_updates, grad_norms, step):
     """Counts consecutive steps with a skipped (non-finite) update; 3 stop the run."""
-    bad_updates += 1
-    if all(math.isfinite(g) for g in grad_norms):
-        bad_updates = 0
+    bad_updates = 0 if all(math.isfinite(g) for g in grad_norms) else bad_updates + 1
     if bad_updates >= 3:
         raise SystemExit(f"dapo: step {step}: non-finite loss or gradient norm in 3 steps in a "
                          "row; stopping (the last checkpoint is untouched)")
@@ -1421,29 +1431,26 @@ def wake_engine(engine, cfg, layout, tags):
 
 
 def evaluate(cfg, layout, engine, tok, examples, step):
-    """avg@k (§4.1), each problem seeded by its index (every evaluation alike); per-problem
-    verdicts to eval_stepN.jsonl."""
-    my_examples = examples[layout.dp_rank :: layout.n_dp]
+    """avg@k (§4.1), each problem seeded by its index (every evaluation alike) and scored as line
+    5 scores; per-problem verdicts to eval_stepN.jsonl."""
+    problems = [dict(example, pos=example["idx"]) for example in examples]
+    mine = problems[layout.dp_rank :: layout.n_dp]
     n = cfg.eval_k
-    seeds = [(cfg.seed << 40) + (1 << 39) + e["idx"] * n for e in my_examples]
-    prompt_ids = [e["prompt_ids"] for e in my_examples]
-    outputs = generate(engine, prompt_ids, n, cfg.max_response_len, cfg.eval_temperature,
-                       cfg.eval_top_p, seeds)
-    local = []
-    for example, group in zip(my_examples, outputs):
-        texts = tok.batch_decode([s.ids for s in group], skip_special_tokens=True)
-        scores = [reward.compute_score(t, example["answer"], cfg.reward_mode) for t in texts]
-        correct = sum(score > 0 for score in scores)
-        local.append(dict(idx=example["idx"], answer=example["answer"], correct=correct, k=n,
-                          sample=texts[0][-300:]))
-    results = [r for part in gather_dp(local, layout) for r in part]
-    results.sort(key=lambda r: r["idx"])
+    seeds = [(cfg.seed << 40) + (1 << 39) + p["idx"] * n for p in mine]
+    outputs = generate(engine, [p["prompt_ids"] for p in mine], n, cfg.max_response_len,
+                       cfg.eval_temperature, cfg.eval_top_p, seeds)
+    groups = [Group(**p, samples=samples) for p, samples in zip(mine, outputs)]
+    score_groups(groups, tok, cfg)
+    groups = gather_groups(groups, problems, layout)
+    correct = [sum(s.score > 0 for s in group.samples) for group in groups]
     if layout.rank == 0:
+        texts = tok.batch_decode([g.samples[0].ids for g in groups], skip_special_tokens=True)
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in results)
-    n_problems = len(results)
-    avg = sum(r["correct"] / n for r in results) / n_problems
-    return {f"eval/avg@{n}": avg, "eval/problems": n_problems}
+            for group, c, text in zip(groups, correct, texts):
+                row = dict(idx=group.idx, answer=group.answer, correct=c, k=n, sample=text[-300:])
+                f.write(json.dumps(row) + "\n")
+    return {f"eval/avg@{n}": sum(c / n for c in correct) / len(groups),
+            "eval/problems": len(groups)}
 
 
 # --- The step's end: evaluation, checkpoint, logs ---
@@ -1572,16 +1579,10 @@ def load_memory_plan():
 # --- Logging: a flat dict per step to metrics.jsonl, a progress bar, a quiet console ---
 
 
-@dataclass
-class Logger:
-    """Rank 0's outputs beside metrics.jsonl: the progress bar, TensorBoard's writer if asked."""
-    bar: object
-    writer: object
-
-
 def open_logger(cfg, layout):
-    """Rank 0 logs; other ranks get None and log nothing. TensorBoard, imported only when
-    --report_to names it (validate checked it is installed), starts with the resolved config."""
+    """Rank 0's progress bar and TensorBoard writer (None unless asked), beside metrics.jsonl;
+    other ranks get None and log nothing. TensorBoard, imported only when --report_to names it
+    (validate checked it is installed), starts with the resolved config."""
     if layout.rank != 0:
         return None
     from tqdm import tqdm
@@ -1591,7 +1592,7 @@ def open_logger(cfg, layout):
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
         writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=1))
-    return Logger(bar, writer)
+    return bar, writer
 
 
 def log_metrics(cfg, logger, metrics):
@@ -1599,26 +1600,28 @@ def log_metrics(cfg, logger, metrics):
     accuracy, clipping, time, eval."""
     if logger is None:
         return
+    bar, writer = logger
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
     step = metrics["step"]
-    if logger.writer is not None:
+    if writer is not None:
         # numbers only: data/prompt_idx (a list) stays in metrics.jsonl
         for name, value in metrics.items():
             if isinstance(value, (int, float)) and name != "step":
-                logger.writer.add_scalar(name, value, step)
+                writer.add_scalar(name, value, step)
     shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
     postfix = {k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}
-    logger.bar.set_postfix(postfix, refresh=False)
-    logger.bar.update(step - logger.bar.n)
+    bar.set_postfix(postfix, refresh=False)
+    bar.update(step - bar.n)
 
 
 def close_logger(logger):
     if logger is None:
         return
-    logger.bar.close()
-    if logger.writer is not None:
-        logger.writer.close()
+    bar, writer = logger
+    bar.close()
+    if writer is not None:
+        writer.close()
 
 
 @contextlib.contextmanager
@@ -1641,16 +1644,12 @@ def quiet_libraries():
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
     # deprecations inside vLLM
     warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.formatwarning = one_line_warning
+    warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\n"
     # datasets' bars without importing it (only hub ids and parquet need it; may be absent)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import transformers
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-
-
-def one_line_warning(message, category, *args, **kwargs):
-    return f"{category.__name__}: {message}\n"
 
 
 def ensure_demo_model(path):
@@ -1735,9 +1734,8 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-        # A finished run without vLLM (which unlinks its shared memory at teardown) skips the
-        # teardown, where gloo's threads have aborted one ("terminate called without an active
-        # exception").
+        # Without vLLM (it unlinks its shared memory at teardown) a finished run skips the
+        # teardown, where gloo's threads aborted one ("terminate called without an active ...").
         if "vllm" not in sys.modules:
             sys.stdout.flush()
             sys.stderr.flush()

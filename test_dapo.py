@@ -1379,7 +1379,8 @@ def test_estimate_memory_from_a_config_alone(tmp_path):
     assert train["OptState"] == pytest.approx(2 * train["Sharded Param"], rel=0.02)  # AdamW m and v
     assert out["phases"]["rollout"]["Engine"] == pytest.approx(
         0.5 * 80, rel=1e-3
-    )  # engine_mem 0.5 x 80 GiB
+    )  # not offloaded: engine_mem 0.5 x 80 GiB
+    assert out["engine_mem"] == 0.5
     assert out["peak_gib"] == max(p["Total"] for p in out["phases"].values())
 
 
@@ -1398,13 +1399,29 @@ def _host_gib(params, n_gpus):
     return min(n_gpus, 8) * 16 * params / n_gpus / 2**30
 
 
+def test_engine_share_by_hand():
+    """The engine's share of the GPU (--engine_mem 0, the default): with the optimizer offloaded
+    and the engine asleep while the trainer runs, all the GPU but what the trainer keeps while it
+    samples and the plan's 10% not counted; otherwise half; a given --engine_mem as given."""
+    share = dapo.load_memory_plan().engine_share
+    gpu = 79 * 2**30
+    cfg = dapo.Config()
+    assert cfg.engine_mem == 0 and cfg.offload_optimizer and cfg.engine_sleep
+    assert share(cfg, 0, gpu) == 0.9 and share(cfg, 7.9 * 2**30, gpu) == 0.8
+    assert share(cfg, 0.05 * 2**30, gpu) == 0.9  # rotary buffers round away
+    assert share(dataclasses.replace(cfg, offload_optimizer=False), 0, gpu) == 0.5
+    assert share(dataclasses.replace(cfg, engine_sleep=False), 0, gpu) == 0.5
+    assert share(dataclasses.replace(cfg, engine_mem=0.3), 7.9 * 2**30, gpu) == 0.3
+
+
 def test_check_fit_by_hand(monkeypatch):
-    """The start's fit check, by hand on one GPU of 79 GiB (an 80 GB card as torch counts it),
-    engine_mem 0.5: 39.5 GiB for the engine. Qwen2.5-32B (32.76B parameters) in bf16 is 61.0 GiB: at
-    rollout_tp 1 it leaves the engine no KV cache (the bare defaults' crash), at TP 2 30.5 GiB, at
-    TP 4 15.3. Without offload the trainer's 16 bytes a parameter over 8 GPUs are 61.0 GiB beside
-    the engine's 39.5. The docstring's commands pass; a plan that fails names the flags that would
-    fit, in one line."""
+    """The start's fit check, by hand on one GPU of 79 GiB (an 80 GB card as torch counts it).
+    Qwen2.5-32B (32.76B parameters) in bf16 is 61.0 GiB. Offloaded (the default) the engine takes
+    0.9 of the GPU, 71.1 GiB: a whole 32B engine fits one GPU, with 10.1 GiB of KV cache. Given
+    --engine_mem 0.5 (39.5 GiB, the share without offload), rollout_tp 1 leaves the engine no KV
+    cache, TP 2 30.5 GiB, TP 4 15.3. Without offload the trainer's 16 bytes a parameter over 8
+    GPUs are 61.0 GiB beside the engine's 39.5. The docstring's commands pass; a plan that fails
+    names the flags that would fit, in one line."""
     n32, n7, gpu = (
         32763876352,
         7615616512,
@@ -1415,7 +1432,7 @@ def test_check_fit_by_hand(monkeypatch):
         # rollout_tp 0 (the default) resolves by the launcher's world size
         monkeypatch.setenv("WORLD_SIZE", str(world))
         try:
-            cfg = dapo.parse_config(["--preset", "dapo", *flags])
+            cfg = dapo.parse_args(["--preset", "dapo", *flags])[0]
             dapo.load_memory_plan().check_fit(cfg, n, world, gpu)
         except SystemExit as e:
             assert "\n" not in e.code and e.code.startswith(
@@ -1423,7 +1440,11 @@ def test_check_fit_by_hand(monkeypatch):
             )
             return e.code.split("try ")[1].split(" (")[0]
 
-    assert fails(n32, 8, "--rollout_tp", "1") == "--rollout_tp 2"
+    half = ("--engine_mem", "0.5")
+    assert fails(n32, 8, "--rollout_tp", "1") is None  # 61.0 of 71.1 GiB
+    assert fails(n32, 1, "--rollout_tp", "1") is None
+    assert fails(n32, 8, "--rollout_tp", "1", *half) == "--rollout_tp 2"
+    assert fails(n32, 8, "--rollout_tp", "1", "--engine_sleep", "false") == "--rollout_tp 2"
     assert (
         fails(n32, 8) is None and fails(n32, 8, "--rollout_tp", "8") is None
     )  # the defaults (TP 4, offload)
@@ -1433,7 +1454,7 @@ def test_check_fit_by_hand(monkeypatch):
         == "--rollout_tp 2 and --offload_optimizer true"
     )
     assert (
-        fails(n32, 1, "--rollout_tp", "1") == "a larger --engine_mem"
+        fails(n32, 1, "--rollout_tp", "1", *half) == "a larger --engine_mem"
     )  # 61.0 GiB of bf16 weights on one GPU
     assert (
         fails(n7, 1, "--rollout_tp", "1", "--offload_optimizer", "false")
@@ -1454,7 +1475,7 @@ def test_dapo_7b_preset_fits_one_node_and_its_window():
     positions, and on 8 x 80 GB it fits without optimizer offload, its host memory only the asleep
     engines' bf16 weights (8 x 2 bytes x 7.6B). The bug it guards against: a preset longer than its
     model's window, or one that only fits with offload."""
-    cfg = dapo.parse_config(["--preset", "dapo_7b"])
+    cfg = dapo.parse_args(["--preset", "dapo_7b"])[0]
     window = json.load(open(os.path.join(ROOT, "data", "qwen2.5-math-7b", "config.json")))[
         "max_position_embeddings"
     ]
@@ -1738,8 +1759,16 @@ def _worker_layout(*argv):
         record("kept", [g.idx for g in kept])
         assign(kept, *args)
 
+    gather = dapo.gather_groups
+
+    def gather_groups(groups, prompts, layout):
+        got = gather(groups, prompts, layout)
+        record("gather_equal", got == _gather_by_pickle(groups, layout))
+        return got
+
     dapo.score_groups = score_groups
     dapo.assign_advantages = assign_advantages
+    dapo.gather_groups = gather_groups
     dapo.main(list(argv))
 
 
@@ -1915,6 +1944,37 @@ def test_evaluate_avg_hand_values(one_rank, tmp_path, monkeypatch):
     assert [r["correct"] for r in rows] == [2, 3]
 
 
+def _gather_by_pickle(my_groups, layout):
+    """The reference gather: each engine's first rank sends its groups as pickled objects
+    (all_gather_object); every rank puts them back in stream order."""
+    import torch.distributed as dist
+
+    out = [None] * layout.world
+    dist.all_gather_object(out, my_groups if layout.rank % layout.tp == 0 else None)
+    parts = out[:: layout.tp]
+    total = sum(len(part) for part in parts)
+    return [parts[i % layout.n_dp][i // layout.n_dp] for i in range(total)]
+
+
+def test_gather_groups_as_tensors_is_exact(one_rank):
+    """A round's groups through the tensor gather come back equal, field by field, to what was
+    sent and to the pickled gather: an empty response, both finish reasons, a token id above
+    2**24 (float32 would round it), log-probs and a penalty that float32 would round."""
+    prompts = [dict(idx=7 - i, pos=40 + i, prompt_ids=[1, 2, i], answer=str(i)) for i in range(3)]
+    ids = [[], [5, 2**40 + 1], [151000], [3, 4, 5, 6]]
+    groups = []
+    for i, prompt in enumerate(prompts):
+        samples = [dapo.Sample(ids[(i + j) % 4], ("stop", "length")[j % 2],
+                               [-0.1 * (k + 1) / 3 for k in range(len(ids[(i + j) % 4]))],
+                               score=(-1.0, 1.0)[(i + j) % 2], penalty=-1 / 3 * j)
+                   for j in range(4)]
+        groups.append(dapo.Group(**prompt, samples=samples))
+    got = dapo.gather_groups(groups, prompts, one_rank)
+    assert got == groups == _gather_by_pickle(groups, one_rank)
+    assert got[0].samples[1].ids[1] == 2**40 + 1 and got[1].samples[0].engine_logp[0] == -0.1 / 3
+    assert {s.finish for g in got for s in g.samples} == {"stop", "length"}
+
+
 # --- dynamic sampling rounds, with a scripted sampler ---
 
 
@@ -2018,14 +2078,14 @@ def test_report_to_unknown_or_missing_is_one_line(monkeypatch):
     """--report_to with a name it does not know says what it takes; a missing tensorboard package
     is named to install; both before any model loads."""
     with pytest.raises(SystemExit, match=r"report_to 'mlflow' is not '' or 'tensorboard'"):
-        dapo.parse_config(["--preset", "cpu", "--report_to", "mlflow"])
+        dapo.parse_args(["--preset", "cpu", "--report_to", "mlflow"])[0]
     import importlib.util
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard"
                         else find_spec(n, *a))
     with pytest.raises(SystemExit, match="report_to tensorboard needs the tensorboard package"):
-        dapo.parse_config(["--preset", "cpu", "--report_to", "tensorboard"])
+        dapo.parse_args(["--preset", "cpu", "--report_to", "tensorboard"])[0]
 
 
 def test_dynamic_sampling_round_cap_trains_on_what_it_has(tmp_path, monkeypatch, tiny_model,
@@ -2378,11 +2438,11 @@ def test_missing_model_path_through_dapo_is_one_line(tmp_path):
     ],
 )
 def test_bad_config_values_fail_before_loading(flags, message):
-    """Validation runs in parse_config, before any model or engine loads, and
+    """Validation runs in parse_args, before any model or engine loads, and
     says it in one line. --estimate_memory N below or off rollout_tp's
     multiples is rejected: the bug was a plan of GPUs no real run can have."""
     with pytest.raises(SystemExit, match=re.escape(message)) as e:
-        dapo.parse_config(["--preset", "dapo", *flags])
+        dapo.parse_args(["--preset", "dapo", *flags])[0]
     assert str(e.value).startswith("dapo: invalid config: ") and "\n" not in str(e.value)
 
 
@@ -2407,7 +2467,7 @@ def test_unknown_preset_or_flag_is_one_line(flags, message):
     an abbreviation match), a value of the wrong type names its flag: one
     line each. The bug: argparse's usage block and exit 2, from every rank."""
     with pytest.raises(SystemExit) as e:
-        dapo.parse_config(flags)
+        dapo.parse_args(flags)[0]
     assert e.value.code == f"dapo: {message}"
 
 
@@ -2433,9 +2493,9 @@ def test_presets_and_explicit_flags():
     """Preset < flag; `grpo` is naive GRPO (no dual clip either), each Table 1 row adds exactly one
     technique to the row above, and `dapo` is the last row as released (overlong filter off, dual
     clip on)."""
-    cfg = dapo.parse_config(["--preset", "grpo", "--eps_high", "0.3"])
+    cfg = dapo.parse_args(["--preset", "grpo", "--eps_high", "0.3"])[0]
     assert cfg.eps_high == 0.3 and not cfg.dynamic_sampling and not cfg.token_level_loss
-    full = dapo.parse_config(["--preset", "dapo"])
+    full = dapo.parse_args(["--preset", "dapo"])[0]
     assert (
         full.eps_high,
         full.dynamic_sampling,
@@ -2443,7 +2503,7 @@ def test_presets_and_explicit_flags():
         full.overlong_buffer_len,
     ) == (0.28, True, True, 4096)
     assert (
-        dapo.parse_config(["--preset", "dapo", "--dynamic_sampling", "false"]).dynamic_sampling
+        dapo.parse_args(["--preset", "dapo", "--dynamic_sampling", "false"])[0].dynamic_sampling
         is False
     )
     knobs = (
@@ -2455,7 +2515,7 @@ def test_presets_and_explicit_flags():
         "dual_clip_c",
     )
     rows = [
-        dapo.parse_config(["--preset", p])
+        dapo.parse_args(["--preset", p])[0]
         for p in (
             "grpo",
             "grpo+overlong_filter",
@@ -2828,7 +2888,7 @@ def _worker_cuda_memory(out, *flags):
     import gc
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = dapo.parse_config(list(flags))
+    cfg = dapo.parse_args(list(flags))[0]
     d = dapo.init_distributed(cfg)
     config = AutoConfig.from_pretrained(cfg.model)
     torch.manual_seed(0)
@@ -2928,9 +2988,12 @@ def test_tensor_x_data_parallel_on_four_ranks(tiny_model, tmp_path):
     for rank in range(4):
         with open(tmp_path / f"sampled_rank{rank}.jsonl") as f:
             sampled[rank] = [json.loads(line) for line in f]
-    # 3 rounds a step, 2 steps; a round's 4 prompts split 2 and 2 over the two engines
-    assert all(len(rounds) == 6 for rounds in sampled.values())
+    # 3 rounds a step, 2 steps, then step 2's evaluation (scored as line 5 scores: its 32
+    # problems split 16 and 16); a round's 4 prompts split 2 and 2 over the two engines
+    assert all(len(rounds) == 7 for rounds in sampled.values())
     assert sampled[0] == sampled[1] and sampled[2] == sampled[3]  # an engine's ranks agree
+    assert [p for p, _ in sampled[2].pop()] == list(range(1, 32, 2))
+    assert [p for p, _ in sampled[0].pop()] == list(range(0, 32, 2))
     for r, (mine, theirs) in enumerate(zip(sampled[0], sampled[2])):
         positions = sorted(p for p, _ in mine + theirs)
         assert positions == list(range(4 * r, 4 * r + 4))  # each prompt once, none skipped
@@ -2948,6 +3011,10 @@ def test_tensor_x_data_parallel_on_four_ranks(tiny_model, tmp_path):
         with open(tmp_path / f"kept_rank{rank}.jsonl") as f:
             kept[rank] = [json.loads(line) for line in f]
     assert all(kept[rank] == [m["data/prompt_idx"] for m in ms] for rank in range(4))
+    # the tensor gather equals the pickled one in every round (6) and evaluation (1)
+    for rank in range(4):
+        with open(tmp_path / f"gather_equal_rank{rank}.jsonl") as f:
+            assert [json.loads(line) for line in f] == [True] * 7
     with open(tmp_path / "eval_step000002.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert sorted(r["idx"] for r in rows) == list(range(32)) and ms[1]["eval/problems"] == 32
@@ -3079,8 +3146,8 @@ def test_rollout_tp_defaults_to_what_the_world_divides(world, tp, monkeypatch):
     """--rollout_tp unset: the largest of 4, 2 and 1 that divides the world size, written into
     the resolved config. The bug: the default 4 stopped every one-GPU run at start."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    assert dapo.parse_config(["--preset", "dapo"]).rollout_tp == tp
-    assert dapo.parse_config(["--preset", "dapo", "--rollout_tp", "1"]).rollout_tp == 1
+    assert dapo.parse_args(["--preset", "dapo"])[0].rollout_tp == tp
+    assert dapo.parse_args(["--preset", "dapo", "--rollout_tp", "1"])[0].rollout_tp == 1
 
 
 def test_one_gpu_model_run_gets_past_the_layout_check(tiny_model, tmp_path, monkeypatch):
@@ -3125,18 +3192,18 @@ def test_plain_run_picks_the_preset_for_the_machine(monkeypatch, capsys):
     GPUs the paper's recipe; each says which in one line. The bug: one GPU tried the 32B recipe."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cfg = dapo.parse_config([])
+    cfg = dapo.parse_args([])[0]
     assert cfg.model == "Qwen/Qwen2.5-Math-1.5B" and cfg.rollout_tp == 1
     assert capsys.readouterr().out == (
         "dapo: one GPU, running the 'dapo_1.5b' preset (Qwen2.5-Math-1.5B); "
         "pass --preset dapo to override\n"
     )
     monkeypatch.setenv("WORLD_SIZE", "8")
-    cfg = dapo.parse_config([])
+    cfg = dapo.parse_args([])[0]
     assert cfg.model == "Qwen/Qwen2.5-32B" and cfg.rollout_tp == 4 and capsys.readouterr().out == ""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("WORLD_SIZE")
-    assert dapo.parse_config([]).model == dapo.PRESETS["cpu"]["model"]
+    assert dapo.parse_args([])[0].model == dapo.PRESETS["cpu"]["model"]
     assert "running the 'cpu' preset" in capsys.readouterr().out
 
 
@@ -3145,14 +3212,16 @@ def test_one_gpu_preset_fits_24_gb_and_its_window():
     --gpu_gib 24` (offline it reads the config shipped in data/qwen2.5-math-1.5b/) fits with
     optimizer offload, inside the model's 4,096 positions; without offload it does not (fp32
     weights, gradients and AdamW state alone are 23 GiB)."""
-    cfg = dapo.parse_config(["--preset", "dapo_1.5b"])
+    cfg = dapo.parse_args(["--preset", "dapo_1.5b"])[0]
     with open(os.path.join(ROOT, "data", "qwen2.5-math-1.5b", "config.json")) as f:
         window = json.load(f)["max_position_embeddings"]
     assert cfg.max_prompt_len + cfg.max_response_len <= window == 4096 and cfg.offload_optimizer
     flags = ["--preset", "dapo_1.5b", "--estimate_memory", "1", "--gpu_gib", "24"]
     out = _estimate(flags)
     assert out["fits"] and out["peak_gib"] <= 24 and out["params"] == 1543714304
-    assert out["engine_kv_gib"] > 8
+    # offloaded: the engine takes 0.9 of the GPU, its KV cache what its bf16 weights leave
+    assert out["engine_mem"] == 0.9
+    assert out["engine_kv_gib"] == pytest.approx(0.9 * 24 - 2 * out["params"] / 2**30, abs=0.01)
     # without offload the static check stops it (the simulation of that case: the 7B test)
     no_offload = dataclasses.replace(cfg, offload_optimizer=False)
     assert 16 * out["params"] / 2**30 > 23
@@ -3199,9 +3268,9 @@ def test_random_reward_cannot_be_evaluated():
     """Random rewards have no answer check: an evaluation with them is one line, not a
     meaningless number."""
     with pytest.raises(SystemExit, match="reward_mode random has no answer check"):
-        dapo.parse_config(["--preset", "cpu", "--reward_mode", "random"])
-    assert dapo.parse_config(["--preset", "cpu", "--reward_mode", "random",
-                              "--eval_every", "0"]).reward_mode == "random"
+        dapo.parse_args(["--preset", "cpu", "--reward_mode", "random"])[0]
+    assert dapo.parse_args(["--preset", "cpu", "--reward_mode", "random",
+                              "--eval_every", "0"])[0].reward_mode == "random"
 
 
 if __name__ == "__main__":  # workers for the multi-process tests above
@@ -3378,7 +3447,7 @@ def test_transformers_engine_with_several_ranks_is_one_line(monkeypatch):
     """Generation through FSDP on several ranks is out of scope: one line naming vLLM."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as e:
-        dapo.parse_config(["--preset", "cpu", "--engine", "transformers"])
+        dapo.parse_args(["--preset", "cpu", "--engine", "transformers"])[0]
     assert str(e.value) == ("dapo: --engine transformers samples in one process, not 2 ranks: "
                             "use --engine vllm")
 
@@ -3399,7 +3468,7 @@ def test_run_folder_names_presets_and_differing_flags():
     presets and each flag that differs from them (filesystem-safe); a flag equal to the preset's
     value, or one that leaves the run unchanged (--resume), adds nothing."""
     def folder(*argv):
-        return dapo.parse_config(list(argv)).out_dir
+        return dapo.parse_args(list(argv))[0].out_dir
 
     assert folder("--preset", "cpu") == os.path.join("runs", "cpu")
     assert folder("--preset", "cpu", "--eps_high", "0.2") == os.path.join("runs",
@@ -3427,12 +3496,12 @@ def test_presets_compose_left_to_right():
             "grpo+token_level", "dapo"]
     for model_row, buffer_len in (("cpu", 12), ("dapo_1.5b", 1024)):
         for row in rows:
-            cfg = dapo.parse_config(["--preset", f"{model_row},{row}"])
+            cfg = dapo.parse_args(["--preset", f"{model_row},{row}"])[0]
             assert cfg.max_response_len == dapo.PRESETS[model_row]["max_response_len"]
             expected = 0 if row in rows[:3] else buffer_len
             assert cfg.overlong_buffer_len == expected, (model_row, row)
     # the flags last, whatever the order on the command line
-    assert dapo.parse_config(["--eps_high", "0.3", "--preset", "cpu,grpo"]).eps_high == 0.3
+    assert dapo.parse_args(["--eps_high", "0.3", "--preset", "cpu,grpo"])[0].eps_high == 0.3
 
 
 @pytest.mark.parametrize(
@@ -3481,8 +3550,11 @@ def test_fit_check_runs_before_any_weight_is_read(tmp_path):
     )
     p = _run(["-c", code], check=False, script=())
     assert p.returncode == 1, p.stderr[-2000:]
-    assert p.stderr.strip().splitlines()[-1].startswith("dapo: 7.6B parameters do not fit 1 x 8 "
-                                                         "GiB as configured: try ")
+    assert p.stderr.strip().splitlines()[-1] == (
+        "dapo: 7.6B parameters do not fit 1 x 8 GiB as configured: try a larger --engine_mem "
+        "(--estimate_memory 1 plans it in full)")
+    # offloaded (the default): the engine's share is 0.9 of the GPU, 7.2 GiB, not 15.2 GiB
+    assert "dapo: the engine takes 0.9 of each GPU while it samples" in p.stdout
     assert "cannot load" not in p.stderr
 
 

@@ -4,8 +4,9 @@ phase, simulated without a GPU or weights.
 The model is built from its config.json alone on fake tensors, sharded with dapo.py's own
 `shard()` over a fake N-rank process group, and run for two training micro-steps of one longest
 sequence (prompt + response limits) through FSDP2's `FSDPMemTracker`; the second step, the one
-with AdamW state, is reported. The engine's share (`--engine_mem` of the GPU, or its weights and
-`--engine_kv_cache_gb`) is added for the rollout phase and, unless it sleeps, for every phase.
+with AdamW state, is reported. The engine's share (`--engine_mem` of the GPU, by default from
+what the trainer holds while it samples; or its weights and `--engine_kv_cache_gb`) is added for
+the rollout phase and, unless it sleeps, for every phase.
 Not counted, so keep 5-10% free: CUDA context, NCCL buffers, kernel workspaces, fragmentation.
 With a process group already up (the tests' check on CPU) the same steps run on real tensors.
 
@@ -136,16 +137,19 @@ def estimate_memory(cfg, n_gpus):
                 tracker.reset_mod_stats()
             # rollout: what stays (sharded params, AdamW state) once the cache is emptied
             peaks["rollout"] = tracker.get_tracker_snapshot()[device]
-    # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / tp, KV
-    # cache, scratch).
-    engine_weights = 2 * n_params / cfg.rollout_tp
-    engine = cfg.engine_mem * cfg.gpu_gib * GiB
-    if cfg.engine_kv_cache_gb > 0:
-        engine = engine_weights + cfg.engine_kv_cache_gb * GiB
     # CPUOffloadPolicy keeps these categories in host memory.
     on_host = ()
     if cfg.offload_optimizer:
         on_host = ("Sharded Param", "Sharded Grad", "OptState")
+    # vLLM in each rank: gpu_memory_utilization is its whole share (bf16 weights / tp, KV
+    # cache, scratch), by default what the trainer leaves on the GPU while it samples.
+    rollout = {getattr(c, "value", c): v for c, v in peaks["rollout"].items() if c != "Total"}
+    share = engine_share(cfg, sum(v for c, v in rollout.items() if c not in on_host),
+                         cfg.gpu_gib * GiB)
+    engine_weights = 2 * n_params / cfg.rollout_tp
+    engine = share * cfg.gpu_gib * GiB
+    if cfg.engine_kv_cache_gb > 0:
+        engine = engine_weights + cfg.engine_kv_cache_gb * GiB
     phases = {}
     host = 0
     for phase, peak in peaks.items():
@@ -163,7 +167,7 @@ def estimate_memory(cfg, n_gpus):
     host_per_node = min(n_gpus, 8) * host / GiB
     fits = peak_gib <= cfg.gpu_gib and engine > engine_weights
     out = dict(model=cfg.model, n_gpus=n_gpus, gpu_gib=cfg.gpu_gib, tokens=T, params=n_params,
-               peak_phase=peak_phase, peak_gib=peak_gib, fits=fits,
+               peak_phase=peak_phase, peak_gib=peak_gib, fits=fits, engine_mem=share,
                engine_kv_gib=round((engine - engine_weights) / GiB, 2),
                seconds=round(time.time() - t0, 1), phases=phases,
                host_gib_per_node=round(host_per_node, 1),
@@ -175,11 +179,28 @@ def estimate_memory(cfg, n_gpus):
     return out
 
 
+# What the plan does not count (CUDA context, NCCL buffers, workspaces, fragmentation): 5-10%.
+NOT_COUNTED = 0.1
+
+
+def engine_share(cfg, trainer_bytes, gpu_bytes):
+    """The engine's gpu_memory_utilization: --engine_mem, or (0) from the plan. With the optimizer
+    offloaded, and the engine asleep while the trainer runs, the trainer holds only trainer_bytes
+    on the GPU while it samples (the plan's rollout phase: rotary buffers; 0 in the static
+    check): the engine takes the rest, less the 10% the plan does not count. Otherwise half: the
+    trainer's fp32 state (12-16 bytes a parameter / GPUs) stays beside it."""
+    if cfg.engine_mem:
+        return cfg.engine_mem
+    if not (cfg.offload_optimizer and cfg.engine_sleep):
+        return 0.5
+    return round(1 - NOT_COUNTED - trainer_bytes / gpu_bytes, 2)
+
+
 def check_fit(cfg, n_params, world, gpu_bytes):
     """One GPU, static: fp32 params, grads and AdamW state (16 bytes a parameter / world;
-    none under offload) beside the engine's engine_mem share, in which its bf16 weights (2
-    bytes a parameter / rollout_tp) must leave room for a KV cache."""
-    share = cfg.engine_mem * gpu_bytes
+    none under offload) beside the engine's share, in which its bf16 weights (2 bytes a
+    parameter / rollout_tp) must leave room for a KV cache."""
+    share = engine_share(cfg, 0, gpu_bytes) * gpu_bytes
     trainer = 0 if cfg.offload_optimizer else 16 * n_params / world
     tps = [t for t in range(cfg.rollout_tp, world + 1) if world % t == 0]
     tps = [t for t in tps if 2 * n_params / t < share]
@@ -199,16 +220,24 @@ def check_fit(cfg, n_params, world, gpu_bytes):
 
 
 def check_fit_from_config(cfg):
-    """On GPUs, before any weight is read: the plan's static check, from the model's config on
-    meta (a 32B checkpoint is 65 GB to read first)."""
-    if not torch.cuda.is_available() or cfg.engine != "vllm" or cfg.engine_kv_cache_gb:
+    """On GPUs, before any weight is read: the engine's share (cfg.engine_mem, set here when 0)
+    and the plan's static check, from the model's config on meta (a 32B checkpoint is 65 GB to
+    read first)."""
+    if not torch.cuda.is_available() or cfg.engine != "vllm":
+        return
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    if not cfg.engine_mem:
+        cfg.engine_mem = engine_share(cfg, 0, gpu_bytes)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"dapo: the engine takes {cfg.engine_mem} of each GPU while it samples "
+                  "(--engine_mem sets it)", flush=True)
+    if cfg.engine_kv_cache_gb:
         return
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(cfg))
     n_params = sum(p.numel() for p in model.parameters())
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
     check_fit(cfg, n_params, world, gpu_bytes)
 
 

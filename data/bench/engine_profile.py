@@ -32,7 +32,7 @@ def round_seconds(engine, prompt_ids, cfg, seeds):
 def main():
     from transformers import AutoModelForCausalLM
 
-    cfg = dapo.parse_config(["--preset", "cpu", "--engine", "transformers"])
+    cfg = dapo.parse_args(["--preset", "cpu", "--engine", "transformers"])[0]
     layout = dapo.init_distributed(cfg)
     dapo.ensure_demo_model(cfg.model)
     tok, model = dapo.load_policy(cfg, layout)

@@ -79,7 +79,7 @@ def plan(flags):
     (called before the process group is up: the plan fakes its own GPU and process group), or
     the error that stopped it: the GPU's one run still measures what it can."""
     assert not torch.distributed.is_initialized()
-    cfg = dapo.parse_config([*flags, "--estimate_memory", "1"])
+    cfg = dapo.parse_args([*flags, "--estimate_memory", "1"])[0]
     try:
         return dapo.load_memory_plan().estimate_memory(cfg, 1)["phases"], None
     except Exception as e:  # noqa: BLE001 (reported in the output, and the measurement goes on)
@@ -196,7 +196,7 @@ def trainer_half(dry):
     n_groups = 2
     flags = ["--preset", "dapo", "--model", folder, "--rollout_tp", "1", "--group_size", "4",
              "--logp_chunk_tokens", "1024", *lengths]
-    cfg = dapo.parse_config(flags)
+    cfg = dapo.parse_args(flags)[0]
     dapo.quiet_libraries()
     phases = {}
     plan_errors = {}

@@ -39,10 +39,10 @@ def report(tag):
 
 if __name__ == "__main__":
     print("caches: oneDNN", os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], "ideep", os.environ["LRU_CACHE_CAPACITY"])
-    cfg = dapo.parse_config(
+    cfg = dapo.parse_args(
         "--train_data data/demo_train_template.jsonl --prompts_per_step 8 --group_size 8 --gen_prompts_per_round 8 "
         "--max_response_len 64 --overlong_buffer_len 16 --dynamic_sampling false --mini_batch_prompts 8 "
-        "--eval_every 0 --save_every 0 --out_dir runs/shape_caches".split())
+        "--eval_every 0 --save_every 0 --out_dir runs/shape_caches".split())[0]
     dapo.quiet_libraries()
     d, tok, model, train_set, eval_set, engine = dapo.start(cfg)
     optim = dapo.make_optimizer(model, cfg)
