@@ -1734,9 +1734,9 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-        # Without vLLM (it unlinks its shared memory at teardown) a finished run skips the
-        # teardown, where gloo's threads aborted one ("terminate called without an active ...").
-        if "vllm" not in sys.modules:
+        # Without vLLM (it unlinks its shared memory at teardown; None: blocked) a finished run
+        # skips the teardown, where gloo's threads aborted one ("terminate called without ...").
+        if sys.modules.get("vllm") is None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
