@@ -22,19 +22,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import dapo  # noqa: E402
+from test_dapo import _gather_by_pickle as by_pickle  # noqa: E402  the tests' reference gather
 
 # the CPU demo's round (16 prompts x 4, 32-token limit), dapo_1.5b's (96 x 16, 3,072-token limit,
 # about 1,000 tokens a response), and one 4x that
 SHAPES = ["16,4,20", "96,16,1000", "192,16,2000"]
-
-
-def by_pickle(my_groups, layout):
-    """The pickled gather: each engine's first rank sends its Group objects (all_gather_object)."""
-    out = [None] * layout.world
-    dist.all_gather_object(out, my_groups if layout.rank % layout.tp == 0 else None)
-    parts = out[:: layout.tp]
-    total = sum(len(part) for part in parts)
-    return [parts[i % layout.n_dp][i // layout.n_dp] for i in range(total)]
 
 
 def round_of(n_prompts, group_size, mean_tokens, seed):
