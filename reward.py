@@ -222,6 +222,16 @@ def compute_score(response: str, ground_truth: str, mode: str = "answer") -> flo
     return 1.0 if normalize(pred) == normalize(ground_truth) else -1.0
 
 
+def final_answer(response: str, mode: str = "answer"):
+    """The normalised answer compute_score compares with the ground truth, or None when the
+    response has none (maj@k's vote: a response without an answer casts no vote)."""
+    _check_str("response", response)
+    if mode not in EXTRACTORS:
+        raise ValueError(f"mode must be one of {sorted(EXTRACTORS)}, got {mode!r}")
+    pred = EXTRACTORS[mode](response)
+    return None if pred == INVALID else normalize(pred)
+
+
 def random_score(seed: int, position: int, index: int) -> float:
     """An experiment, not a task (--reward_mode random): +1.0 or -1.0 with probability 1/2 each,
     independent of the response. Drawn from (seed, the prompt's stream position, the sample's

@@ -16,8 +16,10 @@ memory figures (each skipped where absent: macOS, Windows).
 """
 
 import contextlib
+import dataclasses
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -60,7 +62,6 @@ def estimate_memory(cfg, n_gpus):
     from transformers import AutoModelForCausalLM, masking_utils
 
     t0 = time.time()
-    GiB = 2**30
     fake = not dist.is_initialized()
     config = model_config(cfg)
     check_layout(config, cfg.rollout_tp, n_gpus)
@@ -150,13 +151,25 @@ def estimate_memory(cfg, n_gpus):
     engine = share * cfg.gpu_gib * GiB
     if cfg.engine_kv_cache_gb > 0:
         engine = engine_weights + cfg.engine_kv_cache_gb * GiB
+    if cfg.engine == "transformers":
+        # The policy samples itself: its weights gathered once for each generate batch (dapo's
+        # `gathered`, in FSDP2's param dtype) beside the KV cache of one batch's rows, T tokens
+        # each; no engine share.
+        width = 2 if cfg.bf16 else 4
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        kv_cache = (dapo.GENERATE_BATCH_ROWS * T * config.num_hidden_layers * 2 * kv_heads
+                    * head_dim * width)
+        engine_weights = 0
+        engine = n_params * width + kv_cache
     phases = {}
     host = 0
     for phase, peak in peaks.items():
         by_category = {getattr(c, "value", c): v for c, v in peak.items() if v and c != "Total"}
         # asleep (level 2), the engine's KV cache and weights are freed
         by_category["Engine"] = 0
-        if phase == "rollout" or not cfg.engine_sleep:
+        if phase == "rollout" or not (cfg.engine_sleep or cfg.engine == "transformers"):
             by_category["Engine"] = engine
         by_category["Total"] = sum(v for c, v in by_category.items() if c not in on_host)
         phases[phase] = {c: round(v / GiB, 4) for c, v in by_category.items() if c not in on_host}
@@ -178,6 +191,8 @@ def estimate_memory(cfg, n_gpus):
     print(json.dumps(out), flush=True)
     return out
 
+
+GiB = 2**30
 
 # What the plan does not count (CUDA context, NCCL buffers, workspaces, fragmentation): 5-10%.
 NOT_COUNTED = 0.1
@@ -220,25 +235,90 @@ def check_fit(cfg, n_params, world, gpu_bytes):
 
 
 def check_fit_from_config(cfg):
-    """On GPUs, before any weight is read: the engine's share (cfg.engine_mem, set here when 0)
-    and the plan's static check, from the model's config on meta (a 32B checkpoint is 65 GB to
-    read first)."""
-    if not torch.cuda.is_available() or cfg.engine != "vllm":
-        return
-    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    if not cfg.engine_mem:
-        cfg.engine_mem = engine_share(cfg, 0, gpu_bytes)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"dapo: the engine takes {cfg.engine_mem} of each GPU while it samples "
-                  "(--engine_mem sets it)", flush=True)
-    if cfg.engine_kv_cache_gb:
+    """On GPUs, before any weight is read, from the model's config on meta (a 32B checkpoint is
+    65 GB to read first): the GPU's free memory against the engine's share (cfg.engine_mem, set
+    here when 0, lowered to what is free when the plan still fits), the plan's static check,
+    and the host memory the run needs. Each refusal is one line."""
+    if not torch.cuda.is_available():
         return
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(cfg))
     n_params = sum(p.numel() for p in model.parameters())
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_fit(cfg, n_params, world, gpu_bytes)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if cfg.engine == "vllm":
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+        asked = cfg.engine_mem
+        if not cfg.engine_mem:
+            cfg.engine_mem = engine_share(cfg, 0, gpu_bytes)
+        lowered = check_free_gpu(cfg, asked, n_params, world, gpu_bytes, rank0)
+        if rank0 and not (asked or lowered):
+            print(f"dapo: the engine takes {cfg.engine_mem} of each GPU while it samples "
+                  "(--engine_mem sets it)", flush=True)
+        if not cfg.engine_kv_cache_gb:
+            check_fit(cfg, n_params, world, gpu_bytes)
+    check_host(cfg, n_params, world)
+
+
+def check_free_gpu(cfg, asked, n_params, world, gpu_bytes, rank0):
+    """vLLM refuses to start unless free memory >= gpu_memory_utilization x the GPU's TOTAL
+    (another process, a desktop, takes some): lower an automatic share to what is free when the
+    plan still fits with it (returns True, having said so), else stop, in one line."""
+    free, total = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
+    if free >= cfg.engine_mem * total:
+        return False
+    lower = math.floor(100 * free / total - 1) / 100
+    message = (f"dapo: the GPU has {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB; the "
+               f"engine's share {cfg.engine_mem} needs {cfg.engine_mem * total / GiB:.1f} GiB "
+               f"free at start: free the GPU, or lower --engine_mem (at most {max(lower, 0)})")
+    if asked or lower <= 0:
+        raise SystemExit(message)
+    try:
+        check_fit(dataclasses.replace(cfg, engine_mem=lower), n_params, world, gpu_bytes)
+    except SystemExit as e:
+        raise SystemExit(f"{message}; with {lower} the plan does not fit "
+                         f"({e.code.removeprefix('dapo: ')})") from None
+    if rank0:
+        print(f"dapo: the GPU has {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB: the "
+              f"engine takes {lower} of it, not the plan's {cfg.engine_mem} (--engine_mem sets "
+              "it)", flush=True)
+    cfg.engine_mem = lower
+    return True
+
+
+def host_need(cfg, n_params, world):
+    """Host bytes a node needs: rank 0 reads the checkpoint (2 bytes a parameter in bf16), and
+    with offload each local rank keeps its fp32 params, grads and AdamW moments (16 bytes a
+    parameter / world) there; sleep level 2 keeps no engine weights."""
+    local = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    offloaded = 16 * n_params / world * local if cfg.offload_optimizer else 0
+    return 2 * n_params + offloaded
+
+
+def host_memory():
+    """(total, available) bytes of this machine's memory, from /proc/meminfo; None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    return tuple(int(fields[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
+
+
+def check_host(cfg, n_params, world):
+    """Stop, in one line, if the machine has less memory available than the run needs (the
+    kernel would kill it mid-load)."""
+    memory = host_memory()
+    need = host_need(cfg, n_params, world)
+    if memory is None or memory[1] >= need:
+        return
+    fixes = "more GPUs (the offloaded state divides by them)"
+    if cfg.offload_optimizer:
+        fixes = "--offload_optimizer false (the state on the GPU, 80 GB) or " + fixes
+    raise SystemExit(f"dapo: host memory: {memory[1] / GiB:.1f} GiB available of "
+                     f"{memory[0] / GiB:.1f} GiB, the run needs {need / GiB:.1f} GiB (the "
+                     f"checkpoint read, and the offloaded optimizer): try {fixes}")
 
 
 # --- The rank layout the model takes ---

@@ -135,7 +135,7 @@ def reset_peak(layout):
         torch.cuda.reset_peak_memory_stats()
 
 
-def two_updates(model, optim, micro, denominators, cfg, layout):
+def two_updates(model, optim, micro, groups, cfg, layout):
     """Two updates on the same micro-batches; the second's tokens/s and phase peaks (the plan
     reports the step with AdamW state)."""
     real = sum(dapo.row_len(row) for rows in micro for row in rows)
@@ -144,7 +144,7 @@ def two_updates(model, optim, micro, denominators, cfg, layout):
     for _ in range(2):
         reset_peak(layout)
         start = time.time()
-        dapo.policy_gradient(model, micro, denominators, cfg, layout, 0, True, {})
+        dapo.policy_gradient(model, groups, micro, cfg, layout, 0, True, {})
         result["gradient_peak_gib"] = peak_gib(layout)
         reset_peak(layout)
         result["grad_norm"] = dapo.clip_and_step(model, optim, cfg)
@@ -170,8 +170,7 @@ def one_mode(cfg, layout, config, batches):
     for name, (groups, micro) in batches.items():
         if micro is None:
             micro = dapo.rank_micro_batches(groups, cfg, layout)
-        denominators = dapo.loss_denominators(groups)
-        results[name] = two_updates(model, optim, micro, denominators, cfg, layout)
+        results[name] = two_updates(model, optim, micro, groups, cfg, layout)
     # FSDP2's hooks hold the model in a reference cycle: without the collection its memory would
     # stay allocated into the next mode's peak.
     del model, optim

@@ -54,7 +54,7 @@ if __name__ == "__main__":
                                 cfg.temperature, cfg.top_p, [p["pos"] * g for p in prompts])
         groups = [dapo.Group(**p, samples=s) for p, s in zip(prompts, samples)]
         dapo.score_groups(groups, tok, cfg)
-        dapo.assign_advantages(groups, cfg.adv_eps, cfg.overlong_filter)
+        dapo.assign_advantages(groups, cfg.adv_eps)
         steps.append(groups)
     report("after 5 rollouts")
     for tag, groups in [(f"update {i} (new shapes)", g) for i, g in enumerate(steps)] + \
@@ -62,8 +62,7 @@ if __name__ == "__main__":
         t0 = time.time()
         # one mini-batch: mini_batch_prompts = B
         micro = dapo.rank_micro_batches(groups, cfg, d)
-        denominators = dapo.loss_denominators(groups)
-        dapo.policy_gradient(model, micro, denominators, cfg, d, tok.pad_token_id, True, {})
+        dapo.policy_gradient(model, groups, micro, cfg, d, tok.pad_token_id, True, {})
         dapo.clip_and_step(model, optim, cfg)
         report(f"{tag} {time.time() - t0:4.1f} s")
     dapo.close(engine)
