@@ -961,6 +961,44 @@ def _worker_grads(model_dir, out, token_level):
     torch.distributed.destroy_process_group()
 
 
+def test_offloaded_one_gpu_keeps_gradients_until_the_last_micro_batch(tiny_model, one_rank,
+                                                                     monkeypatch):
+    """Offloaded on one rank, FSDP2 reduces (and sends to the host) the gradient only after a
+    mini-batch's last micro-batch: the sync switch is off for the first three of four and on for
+    the last, and the gradient equals the per-micro-batch one exactly. Without offload, or on
+    several ranks, the switch is never touched."""
+    cfg = dapo.Config(model=tiny_model, bf16=False, offload_optimizer=True,
+                      activation_checkpointing=False, logp_chunk_tokens=5)
+    tok, model = dapo.load_policy(cfg, one_rank)
+    groups = _grad_rows()
+    rows = [_row(g, s) for g in groups for s in g.samples]
+    _set_old_logp(model, rows)
+    micro = [rows[0:2], rows[2:7], rows[7:8], rows[8:]]
+    calls = []
+    switch = type(model).set_requires_gradient_sync
+
+    def spy(self, value, **kwargs):
+        calls.append(value)
+        return switch(self, value, **kwargs)
+
+    grads = []
+    keep_gradients_until = dapo.keep_gradients_until
+    for keep in (False, True):
+        monkeypatch.setattr(dapo, "keep_gradients_until", keep_gradients_until if keep
+                            else lambda *args, **kwargs: None)
+        monkeypatch.setattr(type(model), "set_requires_gradient_sync", spy)
+        model.zero_grad(set_to_none=True)
+        dapo.policy_gradient(model, groups, micro, cfg, one_rank, 0, False, {})
+        grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+    assert calls == [False, False, False, True]
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    calls.clear()
+    keep_gradients_until(model, dataclasses.replace(cfg, offload_optimizer=False), one_rank,
+                         last=False)
+    keep_gradients_until(model, cfg, _layout(world=2), last=False)
+    assert calls == []
+
+
 def test_loss_metric_is_the_mean_per_update(tiny_model):
     """loss/policy with 1 update and with 2 updates over the same samples (lr 0,
     so the ratio is 1) equals the hand-computed mean per update, on 1 rank
@@ -3169,12 +3207,16 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocked), env.get("PYTHONPATH")]))
     reports = []
-    for part in (["--dry"], ["--dry", "--step"]):
+    for part in (["--dry"], ["--dry", "--step"], ["--dry", "--step", "--offload"]):
         p = subprocess.run([sys.executable, "data/bench/gpu_check.py", *part], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
         reports.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    trainer, step = reports
+    trainer, step, offloaded = reports
+    # the 24 GB path's one step: sampled, 2 updates, planned (no GPU peak on CPU)
+    assert offloaded["rollout_tokens_per_s"] > 0 and offloaded["updates"] == 2
+    assert offloaded["update_s"] > 0 and offloaded["plan_peak_gib"] > 0
+    assert offloaded["plan_error"] is None and offloaded["gpu_peak_gib"] is None
     modes = trainer["modes"]
     assert sorted(modes) == ["offload_false", "offload_true"] and trainer["rows"] == 8
     for batch, micro_batches in (("unpadded", 8), ("padded", 4)):
@@ -3194,6 +3236,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     with open(os.path.join(ROOT, "data", "bench", "gpu_check.sh")) as f:
         script = f.read()
     assert "data/bench/gpu_check.py 2>&1" in script and "gpu_check.py --step" in script
+    assert "gpu_check.py --step --offload" in script
     assert "-k cuda" in script and "PY=${PYTHON:-python3}" in script
     assert not re.search(r"\bpython3? ", script.split("PY=")[1])
 

@@ -169,6 +169,10 @@ def estimate_memory(cfg, n_gpus):
         by_category = {getattr(c, "value", c): v for c, v in peak.items() if v and c != "Total"}
         # asleep (level 2), the engine's KV cache and weights are freed
         by_category["Engine"] = 0
+        # offloaded on one GPU, dapo keeps the gradient there between micro-batches
+        # (keep_gradients_until): fp32, from the first backward to the optimizer step
+        if cfg.offload_optimizer and n_gpus == 1 and phase in ("train.forward", "train.backward"):
+            by_category["Kept Grad"] = 4 * n_params
         if phase == "rollout" or not (cfg.engine_sleep or cfg.engine == "transformers"):
             by_category["Engine"] = engine
         by_category["Total"] = sum(v for c, v in by_category.items() if c not in on_host)
@@ -185,14 +189,53 @@ def estimate_memory(cfg, n_gpus):
                seconds=round(time.time() - t0, 1), phases=phases,
                host_gib_per_node=round(host_per_node, 1),
                not_counted="CUDA context, NCCL buffers, kernel workspaces, fragmentation: 5-10%")
+    if cfg.offload_optimizer:
+        out["offload_traffic_gib"] = offload_traffic(cfg, n_params, n_gpus, T)
     for phase, by_category in phases.items():
         sizes = ", ".join(f"{c} {v:.2f}" for c, v in by_category.items())
         print(f"dapo: {phase:>15}: {sizes} GiB")
+    if cfg.offload_optimizer:
+        traffic = out["offload_traffic_gib"]
+        print(f"dapo: offload traffic per GPU: a micro-batch moves {traffic['micro_batch_h2d']} "
+              f"GiB host to GPU, and {traffic['micro_batch_d2h']} GiB of gradients back; a step "
+              f"of {traffic['micro_batches']} micro-batches {traffic['step_h2d']} GiB to the GPU "
+              f"and {traffic['step_d2h']} GiB back ({traffic['step_d2h_each_micro_batch']} GiB "
+              "if each micro-batch sent its gradients back)")
     print(json.dumps(out), flush=True)
     return out
 
 
 GiB = 2**30
+
+def offload_traffic(cfg, n_params, n_gpus, tokens):
+    """Host<->GPU bytes (GiB) per GPU under CPUOffloadPolicy, by reading FSDP2: each unit's fp32
+    shard (4 bytes a parameter / GPUs) is copied to the GPU when it is gathered, for the forward
+    and again for the backward (layers reshard after forward), and its fp32 gradient shard comes
+    back after each micro-batch's reduce-scatter (on one GPU once an update); the pi_old pass
+    (mu > 1) gathers once per micro-batch; the transformers engine once per generate batch;
+    AdamW steps on the host.
+    Micro-batches: the plan's longest rows, micro_batch_tokens // tokens to a micro-batch, over
+    a step's prompts_per_step x group_size rows (an upper bound: real rows are shorter)."""
+    shard = 4 * n_params / n_gpus
+    rows_per_micro = max(1, cfg.micro_batch_tokens // tokens)
+    mu = cfg.prompts_per_step // cfg.mini_batch_prompts
+    rows_per_update = math.ceil(cfg.mini_batch_prompts * cfg.group_size / n_gpus)
+    micro = mu * math.ceil(rows_per_update / rows_per_micro)
+    old_pass = micro if mu > 1 else 0
+    rollout = 0
+    if cfg.engine == "transformers":
+        rollout = math.ceil(cfg.prompts_per_step * cfg.group_size / dapo.GENERATE_BATCH_ROWS)
+    h2d = shard * (2 * micro + old_pass + rollout)
+    # one GPU: the gradient comes back once an update, not once a micro-batch
+    # (keep_gradients_until)
+    back = micro
+    if n_gpus == 1:
+        back = mu
+    return dict(micro_batch_h2d=round(2 * shard / GiB, 2), micro_batch_d2h=round(shard / GiB, 2),
+                micro_batches=micro, step_h2d=round(h2d / GiB, 1),
+                step_d2h=round(back * shard / GiB, 1),
+                step_d2h_each_micro_batch=round(micro * shard / GiB, 1))
+
 
 # What the plan does not count (CUDA context, NCCL buffers, workspaces, fragmentation): 5-10%.
 NOT_COUNTED = 0.1
@@ -382,17 +425,21 @@ def reset_peak_memory():
 
 
 def memory_metrics(layout):
-    """This step's peak RSS (then reset, for the next step's); on CPU the heap's free pages back
-    to the OS; the RSS after."""
+    """This step's peak RSS and GPU peak (then reset, for the next step's); on CPU the heap's
+    free pages back to the OS; the RSS after."""
     libc = glibc()
     if layout.device.type == "cpu" and libc is not None:
         libc.malloc_trim(0)
+    metrics = {}
+    if layout.device.type == "cuda":
+        metrics["perf/gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
     if not os.path.exists(os.path.join(PROC, "status")):
-        return {}
+        return metrics
     with open(os.path.join(PROC, "status")) as f:
         peak_kib = int(f.read().split("VmHWM:")[1].split()[0])
     with open(os.path.join(PROC, "statm")) as f:
         rss_pages = int(f.read().split()[1])
     rss_gb = rss_pages * os.sysconf("SC_PAGESIZE") / 2**30
     reset_peak_memory()
-    return {"perf/peak_rss_gb": peak_kib / 2**20, "perf/rss_gb": rss_gb}
+    return {**metrics, "perf/peak_rss_gb": peak_kib / 2**20, "perf/rss_gb": rss_gb}

@@ -67,6 +67,18 @@ STEP_FLAGS_DRY = ["--prompts_per_step", "4", "--group_size", "2", "--mini_batch_
                   "--max_prompt_len", "64", "--max_response_len", "8", "--overlong_buffer_len", "2",
                   "--micro_batch_tokens", "128", "--logp_chunk_tokens", "8"]
 EVAL_ROWS_DRY = 2
+# The 24 GB path (--step --offload): dapo_1.5b's shapes (Qwen2.5-Math-1.5B's config, random
+# weights), the optimizer in host memory, the transformers engine (the lent machine has no vLLM),
+# one step of 16 prompts x 16 samples with responses cut to 256 tokens, 4 updates.
+OFFLOAD_FLAGS = ["--reward_mode", "last_number", "--max_prompt_len", "1024",
+                 "--max_response_len", "256", "--overlong_buffer_len", "64",
+                 "--prompts_per_step", "16", "--group_size", "16", "--mini_batch_prompts", "4",
+                 "--micro_batch_tokens", "8192", "--dynamic_sampling", "false",
+                 "--eval_every", "0", "--save_every", "0", "--offload_optimizer", "true",
+                 "--steps", "1"]
+OFFLOAD_FLAGS_DRY = ["--max_prompt_len", "64", "--max_response_len", "8",
+                     "--overlong_buffer_len", "2", "--prompts_per_step", "4", "--group_size", "2",
+                     "--mini_batch_prompts", "2", "--micro_batch_tokens", "128"]
 STEP_METRICS = ["step", "reward/accuracy", "dynamic_sampling/rounds", "loss/policy",
                 "loss/grad_norm", "eval/avg@2", "perf/step_s", "perf/rollout_s"]
 
@@ -340,10 +352,49 @@ def whole_step(dry, timeout):
     print(json.dumps(report), flush=True)
 
 
+def offloaded_step(dry, timeout):
+    """One step of the 24 GB path: rollout tokens/s, the update's seconds, and the plan's peak
+    beside the measured torch.cuda.max_memory_allocated (perf/gpu_peak_gib; none on CPU)."""
+    work = tempfile.mkdtemp()
+    config_dir = os.path.join(ROOT, "data", "qwen2.5-math-1.5b")
+    sizes = []
+    if dry:
+        config_dir = os.path.join(work, "tiny-qwen2")
+        os.makedirs(config_dir)
+        with open(os.path.join(config_dir, "config.json"), "w") as f:
+            json.dump(dict(TINY, vocab_size=49152), f)
+        sizes = OFFLOAD_FLAGS_DRY
+    model_dir = random_model.write_random_model(config_dir, os.path.join(work, "model"))
+    out_dir = os.path.join(work, "run")
+    flags = ["--model", model_dir, "--train_data", "data/demo_train.jsonl", "--engine",
+             "transformers", *OFFLOAD_FLAGS, *sizes]
+    _, seconds = run_dapo([*flags, "--out_dir", out_dir], timeout)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f][-1]
+    phases, error = plan(flags)
+    report = dict(torch=torch.__version__, model=os.path.basename(config_dir), run_s=seconds,
+                  rollout_tokens_per_s=metrics["perf/rollout_tokens_per_s"],
+                  rollout_s=metrics["perf/rollout_s"], update_s=metrics["perf/update_s"],
+                  updates=metrics["loss/updates"], grad_norm=metrics["loss/grad_norm"],
+                  gpu_peak_gib=metrics.get("perf/gpu_peak_gib"), plan_error=error,
+                  plan_peak_gib=None)
+    if phases:
+        report["plan_peak_gib"] = max(phase["Total"] for phase in phases.values())
+        report["plan_rollout_gib"] = phases["rollout"]["Total"]
+    shutil.rmtree(work)
+    print(f"24 GB path: dapo.py --engine transformers, offloaded, on a random {report['model']}: "
+          f"rollout {report['rollout_tokens_per_s']:.0f} tokens/s ({report['rollout_s']:.1f} s), "
+          f"update {report['update_s']:.1f} s ({report['updates']} AdamW steps); GPU peak "
+          f"{report['gpu_peak_gib']} GiB measured, {report['plan_peak_gib']} GiB planned")
+    print(json.dumps(report), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry", action="store_true", help="CPU, a tiny model (the test)")
     parser.add_argument("--step", action="store_true", help="the whole step (dapo.py, 2 steps)")
+    parser.add_argument("--offload", action="store_true",
+                        help="with --step: the 24 GB path (1.5B shapes, offload, one step)")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per dapo.py run")
     args = parser.parse_args()
     if args.dry:
@@ -351,7 +402,9 @@ def main():
         # thread on 2 busy cores); dapo.py's processes inherit it
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    if args.step:
+    if args.step and args.offload:
+        offloaded_step(args.dry, args.timeout)
+    elif args.step:
         whole_step(args.dry, args.timeout)
     else:
         trainer_half(args.dry)
