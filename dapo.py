@@ -373,8 +373,7 @@ def policy_gradient(model, mini_batch, micro_batches, cfg, layout, pad_id, on_po
             old_logp = batch["old_logp"]
         weight = None
         if cfg.rollout_correction:
-            weight, cut = correction_weights(old_logp, batch, cfg)
-            add_correction_sums(sums, weight, cut, batch)
+            weight = correction_weights(old_logp, batch, cfg, sums)
         loss, stats = policy_loss(
             logp, old_logp, batch["adv"], batch["loss_mask"], eps_low=cfg.eps_low,
             eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, token_level=cfg.token_level_loss,
@@ -384,7 +383,8 @@ def policy_gradient(model, mini_batch, micro_batches, cfg, layout, pad_id, on_po
         # denominators count every rank's tokens), so the gradient wanted is the SUM of the
         # ranks' gradients. FSDP2's reduce-scatter AVERAGES them (divides by the world size):
         # the factor here cancels that division, it does not rescale Eq. 12.
-        keep_gradients_until(model, cfg, layout, last=index == len(micro_batches) - 1)
+        # machinery: offloaded on one GPU, the gradient stays there until the last micro-batch
+        load_memory_plan().keep_gradients_until(model, cfg, layout, index + 1 == len(micro_batches))
         (loss * layout.world).backward()
         add_sums(sums, stats, batch, loss, entropy, old_logp)
 
@@ -732,10 +732,10 @@ def validate(cfg):
           f"estimate_memory ({cfg.estimate_memory}) must be 0 or a multiple of "
           f"rollout_tp ({cfg.rollout_tp})")
     # the trackers' packages, before any model loads
-    trackers = tracker_names(cfg.report_to)
-    check(set(trackers) <= {"tensorboard", "wandb"},
+    trackers = {name.strip() for name in cfg.report_to.split(",") if name.strip()}
+    check(trackers <= {"tensorboard", "wandb"},
           f"report_to {cfg.report_to!r} names other than 'tensorboard' and 'wandb'")
-    for name in set(trackers) & {"tensorboard", "wandb"}:
+    for name in sorted(trackers):
         check(importlib.util.find_spec(name),
               f"report_to {name} needs the {name} package: pip install {name}")
     check(cfg.rollout_correction in ("", "token_truncate", "sequence_mask"),
@@ -809,10 +809,9 @@ def all_gather_1d(tensor, layout):
 
 
 def gather_groups(my_groups, prompts, layout, times=None):
-    """A round's scored groups on every rank, in stream order (prompt i was sampled by DP rank
-    i % n_dp). A collective, every round. Each DP group's samples travel as one float64 tensor
-    (token ids are exact below 2**53): the number of samples, then per sample its length,
-    finish, score and penalty, then all token ids, then all log-probs."""
+    """A round's scored groups on every rank, in stream order (prompt i sampled by DP rank
+    i % n_dp); a collective. Each DP group's samples travel as one float64 tensor (ids exact
+    below 2**53): their number, per sample length, finish, score, penalty, then ids, log-probs."""
     samples = [s for group in my_groups for s in group.samples]
     head = [x for s in samples for x in (len(s.ids), s.finish == "length", s.score, s.penalty)]
     ids = [t for s in samples for t in s.ids]
@@ -897,9 +896,10 @@ def read_rows(source):
         else:
             rows = datasets.load_dataset(source, split="train")
     except (ConnectionError, OSError, ValueError) as e:
+        # a hub id: one line (a local file's error is its own)
         if kind:
             raise
-        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        reason = (str(e) or type(e).__name__).splitlines()[0][:160]
         hint = ""
         if not torch.cuda.is_available():
             hint = "; without a GPU, --preset cpu brings the demo's data"
@@ -1011,26 +1011,13 @@ def load_policy(cfg, layout, tok=None):
     set_model_state_dict(model, full, options=options)
     if cfg.bf16 and cfg.bf16_dither:
         for param in model.parameters():
-            dither_bf16_(param.to_local())
+            load_memory_plan().dither_bf16_(param.to_local())
     # Rotary inv_freq is in no checkpoint: rebuild it, on the compute device.
     for module in model.modules():
         if "RotaryEmbedding" in type(module).__name__:
             model._init_weights(module)
             module.to(layout.device)
     return tok, model
-
-
-@torch.no_grad()
-def dither_bf16_(x):
-    """In place: a weight on the bf16 grid moves uniformly inside its rounding cell (bf16 sees
-    the same value), so an update shows in bf16 with probability |update| / ulp, not only
-    after the master drifts half an ulp (25 updates for the demo's median weight)."""
-    on_grid = (x == x.bfloat16().float()) & (x != 0)
-    # x = m 2^e, |m| in [0.5, 1); at a power of two, the finer cell below
-    _, exponent = torch.frexp(x * (1 - 2**-10))
-    # bf16 keeps 8 significant bits
-    half_ulp = torch.ldexp(torch.ones_like(x), exponent - 9)
-    x.add_((2 * torch.rand_like(x) - 1) * 0.999 * half_ulp * on_grid)
 
 
 def shard(model, cfg, layout, bf16_params=None):
@@ -1061,11 +1048,16 @@ def make_engine(cfg, layout, model=None, tok=None):
     """vLLM in this rank's process (external_launcher), tensor-parallel over its DP group; or,
     with --engine transformers, the policy itself (PolicyEngine)."""
     if cfg.engine == "transformers":
-        return policy_engine(cfg, layout, model, tok)
+        # generate stops at the tokenizer's and the model's end tokens, as vLLM does
+        eos = model.generation_config.eos_token_id
+        if not isinstance(eos, list):
+            eos = [eos]
+        eos_ids = sorted({tok.eos_token_id, *eos} - {None})
+        autocast = cfg.bf16 and layout.device.type == "cpu"
+        return PolicyEngine(model, layout.device, eos_ids, tok.pad_token_id, autocast)
     from vllm import LLM
-    # vLLM's CPU worker makes torch.set_num_threads a no-op, and torchrun and its loader
-    # leave one thread: restore it and give this rank the node's share of the cores (for
-    # offload's CPU AdamW).
+    # vLLM's CPU worker makes torch.set_num_threads a no-op and its loader leaves one thread:
+    # restore it, with this rank's share of the node's cores (for offload's CPU AdamW).
     set_threads = torch.set_num_threads
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     engine = LLM(**engine_args(cfg, layout))
@@ -1089,8 +1081,8 @@ def engine_args(cfg, layout):
     if cfg.engine_kv_cache_gb > 0:
         kwargs["kv_cache_memory_bytes"] = int(cfg.engine_kv_cache_gb * 2**30)
     if cuda:
-        # vLLM's start-up check asks for gpu_memory_utilization x the GPU free, 0.92 unless
-        # given, even with a KV cache size: always our share.
+        # vLLM's start-up check wants gpu_memory_utilization x the GPU's TOTAL free (0.92 unless
+        # given, even with a KV cache size): always our share, checked at start (memory plan).
         kwargs["gpu_memory_utilization"] = cfg.engine_mem
         # CUDA graphs for decode; in sleep mode their memory is backed up to host memory with
         # the weights and restored in place on wake (ModelConfig.sleep_mode_offload_cudagraph).
@@ -1150,22 +1142,12 @@ def generate(engine, prompts, n, max_tokens, temperature, top_p, seeds=None):
 
 @dataclass
 class PolicyEngine:
-    """The trained policy sampling with transformers' generate in this one process: no second
-    copy of the weights, nothing to push at line 3, nothing to put to sleep."""
+    """The policy sampling itself (transformers' generate): no copy to push, nothing to sleep."""
     model: object
     device: torch.device
     eos_ids: list  # the tokenizer's and the model's end tokens, as vLLM stops on both
     pad_id: int
     autocast: bool  # bf16 autocast on CPU, as the trainer computes
-
-
-def policy_engine(cfg, layout, model, tok):
-    eos = model.generation_config.eos_token_id
-    if not isinstance(eos, list):
-        eos = [eos]
-    eos_ids = sorted({tok.eos_token_id, *eos} - {None})
-    autocast = cfg.bf16 and layout.device.type == "cpu"
-    return PolicyEngine(model, layout.device, eos_ids, tok.pad_token_id, autocast)
 
 
 class SeededSampler:
@@ -1195,7 +1177,8 @@ GENERATE_BATCH_ROWS = 64
 def policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds):
     """generate()'s Samples from the policy: sample j of a prompt drawn with seed + j, as vLLM
     seeds, in batches of left-padded rows, with the log-probs they were drawn from."""
-    from transformers import GenerationConfig
+    from transformers import (GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper,
+                              TopPLogitsWarper)
     config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens,
                               eos_token_id=engine.eos_ids, pad_token_id=engine.pad_id)
     rows = [(prompt, seed + j) for prompt, seed in zip(prompts, seeds) for j in range(n)]
@@ -1204,55 +1187,29 @@ def policy_generate(engine, prompts, n, max_tokens, temperature, top_p, seeds):
     engine.model.eval()
     for start in range(0, len(rows), GENERATE_BATCH_ROWS):
         batch = rows[start : start + GENERATE_BATCH_ROWS]
-        with gathered(engine.model):
-            samples += policy_generate_batch(engine, batch, config, temperature, top_p)
+        width = max(len(prompt) for prompt, _ in batch)
+        ids = torch.full((len(batch), width), engine.pad_id, device=engine.device)
+        mask = torch.zeros_like(ids)
+        generators = []
+        for i, (prompt, seed) in enumerate(batch):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+            generators.append(torch.Generator(engine.device).manual_seed(seed))
+        sampler = SeededSampler(generators)
+        processors = [TemperatureLogitsWarper(temperature), sampler]
+        # top-p 1 cuts nothing, and its sort took 8% of a demo rollout
+        if top_p < 1:
+            processors.insert(1, TopPLogitsWarper(top_p))
+        # each FSDP2 unit gathered once for the batch, not once a token (the plan counts it)
+        gather = load_memory_plan().gathered(engine.model)
+        with gather, torch.autocast("cpu", torch.bfloat16, enabled=engine.autocast):
+            out = engine.model.generate(ids, attention_mask=mask, generation_config=config,
+                                        logits_processor=LogitsProcessorList(processors))
+        logps = torch.stack(sampler.logps, 1).tolist()
+        for row, row_logp in zip(out[:, width:].tolist(), logps):
+            samples.append(policy_sample(row, row_logp, engine.eos_ids))
     engine.model.train()
     return [samples[i : i + n] for i in range(0, len(samples), n)]
-
-
-@contextlib.contextmanager
-def gathered(model):
-    """FSDP2's units gathered once for the block, resharded after: generate runs a forward per
-    token, and each would gather every decoder layer again (with offload, copy its fp32 shard
-    from host memory). The root unit keeps its parameters after forward anyway."""
-    from torch.distributed.fsdp import FSDPModule
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    layers = [unit for unit in units if unit is not model]
-    for unit in layers:
-        unit.set_reshard_after_forward(False, recurse=False)
-    for unit in units:
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for unit in layers:
-            unit.set_reshard_after_forward(True, recurse=False)
-        for unit in units:
-            unit.reshard()
-
-
-def policy_generate_batch(engine, batch, config, temperature, top_p):
-    """One generate call on (prompt, seed) rows, left-padded: their Samples."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-    width = max(len(prompt) for prompt, _ in batch)
-    ids = torch.full((len(batch), width), engine.pad_id, device=engine.device)
-    mask = torch.zeros_like(ids)
-    generators = []
-    for i, (prompt, seed) in enumerate(batch):
-        ids[i, width - len(prompt) :] = torch.tensor(prompt)
-        mask[i, width - len(prompt) :] = 1
-        generators.append(torch.Generator(engine.device).manual_seed(seed))
-    sampler = SeededSampler(generators)
-    processors = [TemperatureLogitsWarper(temperature), sampler]
-    # top-p 1 cuts nothing, and its sort took 8% of a demo rollout
-    if top_p < 1:
-        processors.insert(1, TopPLogitsWarper(top_p))
-    with torch.autocast("cpu", torch.bfloat16, enabled=engine.autocast):
-        out = engine.model.generate(ids, attention_mask=mask, generation_config=config,
-                                    logits_processor=LogitsProcessorList(processors))
-    logps = torch.stack(sampler.logps, 1).tolist()
-    return [policy_sample(row, row_logp, engine.eos_ids)
-            for row, row_logp in zip(out[:, width:].tolist(), logps)]
 
 
 def policy_sample(token_ids, logps, eos_ids):
@@ -1327,11 +1284,10 @@ def micro_batches(rows, budget):
 
 
 def collate(rows, pad_id, device):
-    """One micro-batch as tensors, a right-padded line per row: ids, attn, pos. A response sees
-    its prompt and itself (a block-causal (rows, 1, L, L) mask when a row holds several). Per
-    response token: src, the flat index of the position predicting it, and tgt, the token. Per
-    sample (S, R): loss_mask, resp_mask, engine_logp, old_logp (None if a sample has none);
-    adv (S,); real: the non-pad tokens."""
+    """One micro-batch as tensors, a right-padded line per row: ids, attn, pos (a block-causal
+    (rows, 1, L, L) mask when a row holds several responses). Per response token: src, the
+    position predicting it (flat), tgt, the token. Per sample (S, R): loss_mask, resp_mask,
+    engine_logp, old_logp (None if a sample has none); adv (S,); real: the non-pad tokens."""
     L = max(map(row_len, rows))
     samples = [s for row in rows for s in row.samples]
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
@@ -1463,36 +1419,25 @@ def add_sums(sums, stats, batch, loss, entropy, old_logp):
         sums[name] = sums.get(name, 0.0) + value
 
 
-def correction_weights(old_logp, batch, cfg):
-    """The mismatch weights of one micro-batch. With --engine transformers the policy is the
-    engine: pi_rollout is pi_theta, Delta is 0 by construction (what differs is the trainer's
-    own rounding between a cached and a full forward), so every weight is 1."""
-    resp_mask = batch["resp_mask"]
-    if cfg.engine == "transformers":
-        return torch.ones_like(old_logp), torch.zeros_like(resp_mask, dtype=torch.bool)
-    return mismatch_weights(old_logp, batch["engine_logp"], resp_mask, cfg.rollout_correction,
-                            cfg.rollout_correction_min, cfg.rollout_correction_max)
-
-
-def keep_gradients_until(model, cfg, layout, last):
-    """FSDP2 reduces the gradients after every micro-batch's backward and, offloaded, copies them
-    to host memory. On one GPU with offload the unsharded gradient is no larger than its shard:
-    it stays on the GPU until the mini-batch's last micro-batch (the plan counts it), a third
-    less host traffic. Elsewhere it would be world times the shard (131 GB at 32B)."""
-    if cfg.offload_optimizer and layout.world == 1 and hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(last)
-
-
-def add_correction_sums(sums, weight, cut, batch):
-    """The mismatch weights' sums over response tokens, and their maximum, for the logs."""
+def correction_weights(old_logp, batch, cfg, sums):
+    """One micro-batch's mismatch weights (their sums and maximum into sums). With --engine
+    transformers pi_rollout is pi_theta: Delta is 0 by construction (what differs is the
+    trainer's own rounding, cached against full forward), so every weight is 1."""
     on = batch["resp_mask"] > 0
+    weight = torch.ones_like(old_logp)
+    cut = torch.zeros_like(on)
+    if cfg.engine != "transformers":
+        weight, cut = mismatch_weights(old_logp, batch["engine_logp"], batch["resp_mask"],
+                                       cfg.rollout_correction, cfg.rollout_correction_min,
+                                       cfg.rollout_correction_max)
     sums["is_weight"] = sums.get("is_weight", 0.0) + weight[on].sum().item()
     sums["is_cut"] = sums.get("is_cut", 0.0) + cut[on].sum().item()
     sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), weight[on].max().item())
+    return weight
 
 
 def update_metrics(sums, grad_norms, layout, update_s):
-    """The step's loss/ logs from every rank's sums, and maxima for names ending in _max (two
+    """The step's loss/ logs from every rank's sums, maxima for names ending in _max (two
     collectives: every rank calls it)."""
     names = sorted(name for name in sums if not name.endswith("_max"))
     total = dict(zip(names, all_reduce([sums[name] for name in names], layout)))
@@ -1520,8 +1465,7 @@ def update_metrics(sums, grad_norms, layout, update_s):
         "perf/update_tokens_per_s": total["real"] / layout.world / update_s,
         "perf/padding_frac": 1 - total["real"] / max(total["all"], 1),
     }
-    # --rollout_correction: its weights over every response token, and the share cut to 0 or
-    # truncated at a bound
+    # --rollout_correction: its weights over response tokens, the share cut or truncated
     if "is_weight" in total:
         metrics["rollout_correction/weight_mean"] = total["is_weight"] / tokens
         metrics["rollout_correction/weight_max"] = total["is_weight_max"]
@@ -1614,9 +1558,8 @@ def wake_engine(engine, cfg, layout, tags):
 
 
 def evaluate(cfg, layout, engine, tok, examples, step):
-    """avg@k (§4.1: the paper's avg@32), pass@k and maj@k from the same k samples of each
-    problem, seeded by its index (every evaluation alike) and scored as line 5 scores;
-    per-problem verdicts and answer votes to eval_stepN.jsonl."""
+    """avg@k (§4.1's avg@32), pass@k and maj@k from the same k samples a problem, seeded by its
+    index and scored as line 5 scores; per-problem verdicts and votes to eval_stepN.jsonl."""
     problems = [dict(example, pos=example["idx"]) for example in examples]
     mine = problems[layout.dp_rank :: layout.n_dp]
     n = cfg.eval_k
@@ -1643,22 +1586,15 @@ def eval_row(group, tok, mode):
     texts = tok.batch_decode([s.ids for s in group.samples], skip_special_tokens=True)
     answers = [reward.final_answer(text, mode) for text in texts]
     scores = [s.score for s in group.samples]
-    majority, votes = majority_vote(answers)
+    # maj@k: a tie to the answer given first (most_common's order); no answer, no vote
+    votes = collections.Counter(a for a in answers if a is not None).most_common()
+    majority = votes[0][0] if votes else None
     # maj@k scored with avg@k's check: every sample giving the majority answer scored alike
     maj_correct = majority is not None and scores[answers.index(majority)] > 0
     return dict(idx=group.idx, answer=group.answer, correct=sum(x > 0 for x in scores),
-                k=len(scores), majority=majority, maj_correct=maj_correct, votes=votes,
+                k=len(scores), majority=majority, maj_correct=maj_correct,
+                votes=[list(vote) for vote in votes],
                 no_answer=answers.count(None), sample=texts[0][-300:])
-
-
-def majority_vote(answers):
-    """maj@k's vote over extracted, normalised answers (None: no answer, no vote). A tie goes
-    to the answer given first among the samples. Returns it (None if no sample answered) and
-    the votes as [answer, count] pairs, most first, ties in order of first appearance."""
-    # most_common orders equal counts by first appearance
-    votes = collections.Counter(a for a in answers if a is not None).most_common()
-    majority = votes[0][0] if votes else None
-    return majority, [list(vote) for vote in votes]
 
 
 def pass_at_k(n, c, k):
@@ -1672,8 +1608,7 @@ def pass_at_k(n, c, k):
 
 @dataclass
 class Run:
-    """train()'s state between steps; `state` (step, data position) is what a checkpoint
-    keeps, the rest is re-derived on resume."""
+    """train()'s state between steps: a checkpoint keeps `state` (step, data position)."""
     state: dict
     engine_stale: bool  # pi_theta moved since the engine's last push
     bad_updates: int = 0  # consecutive steps with a non-finite update
@@ -1688,9 +1623,8 @@ class Run:
 
     def end_update(self, sums, grad_norms, layout):
         """The update's logs; three non-finite updates in a row stop the run."""
-        step = self.state["step"] + 1
         self.metrics.update(update_metrics(sums, grad_norms, layout, self.times["perf/update_s"]))
-        self.bad_updates = check_finite(self.bad_updates, grad_norms, step)
+        self.bad_updates = check_finite(self.bad_updates, grad_norms, self.state["step"] + 1)
 
 
 def begin_run(cfg, layout, model, optim, sched, tok, engine, eval_set, logger):
@@ -1711,8 +1645,7 @@ def finish_step(cfg, layout, model, optim, sched, tok, engine, eval_set, logger,
     metrics = run.metrics
     metrics.update(run.times)
     if cfg.eval_every and step % cfg.eval_every == 0:
-        # The evaluation's own push, not line 3: it scores the updated policy (line 3 of the
-        # next step then finds the engine current).
+        # the evaluation's own push, not line 3: it scores the updated policy
         if run.engine_stale:
             push_weights(model, engine, cfg, layout, metrics)
             run.engine_stale = False
@@ -1828,21 +1761,15 @@ def load_memory_plan():
 # --- Logging: a flat dict per step to metrics.jsonl, a progress bar, a quiet console ---
 
 
-def tracker_names(report_to):
-    """--report_to 'wandb,tensorboard' -> ['wandb', 'tensorboard']."""
-    return [name.strip() for name in report_to.split(",") if name.strip()]
-
-
 def open_logger(cfg, layout):
-    """Rank 0's progress bar, and the trackers --report_to names (imported only then; validate
-    checked they are installed), each starting with the resolved config; other ranks get None
-    and log nothing. W&B: project $WANDB_PROJECT or 'dapo', run name $WANDB_NAME or the run
-    folder's, its files in the run folder (WANDB_MODE=offline: no network)."""
+    """Rank 0's progress bar and the trackers --report_to names (validate checked them), with
+    the resolved config; None elsewhere. W&B: project $WANDB_PROJECT or 'dapo', run name
+    $WANDB_NAME or the run folder's, files in the run folder (WANDB_MODE=offline: no network)."""
     if layout.rank != 0:
         return None
     from tqdm import tqdm
     bar = tqdm(total=cfg.steps, desc="dapo", dynamic_ncols=True)
-    trackers = tracker_names(cfg.report_to)
+    trackers = [name.strip() for name in cfg.report_to.split(",")]
     config = dataclasses.asdict(cfg)
     writer = None
     wandb_run = None

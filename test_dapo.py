@@ -421,7 +421,7 @@ def test_bf16_dither_keeps_bf16_values_and_shows_small_updates():
     _, e = torch.frexp(ckpt)
     ulp = torch.ldexp(torch.ones_like(ckpt), e - 8)  # of |x| in [2^(e-1), 2^e): bf16 keeps 8 bits
     x = ckpt.clone()
-    dapo.dither_bf16_(x)
+    dapo.load_memory_plan().dither_bf16_(x)
     assert torch.equal(
         x.bfloat16().float(), ckpt
     )  # the policy bf16 compute sees is the checkpoint's
@@ -982,9 +982,10 @@ def test_offloaded_one_gpu_keeps_gradients_until_the_last_micro_batch(tiny_model
         return switch(self, value, **kwargs)
 
     grads = []
-    keep_gradients_until = dapo.keep_gradients_until
+    plan = dapo.load_memory_plan()
+    keep_gradients_until = plan.keep_gradients_until
     for keep in (False, True):
-        monkeypatch.setattr(dapo, "keep_gradients_until", keep_gradients_until if keep
+        monkeypatch.setattr(plan, "keep_gradients_until", keep_gradients_until if keep
                             else lambda *args, **kwargs: None)
         monkeypatch.setattr(type(model), "set_requires_gradient_sync", spy)
         model.zero_grad(set_to_none=True)
@@ -1905,8 +1906,8 @@ def _worker_layout(*argv):
 
     gather = dapo.gather_groups
 
-    def gather_groups(groups, prompts, layout):
-        got = gather(groups, prompts, layout)
+    def gather_groups(groups, prompts, layout, times=None):
+        got = gather(groups, prompts, layout, times)
         record("gather_equal", got == _gather_by_pickle(groups, layout))
         return got
 
@@ -3689,7 +3690,7 @@ def test_transformers_engine_gathers_once_per_batch(tiny_model, one_rank, monkey
     assert units == 3 and all(len(s.ids) == 12 for g in once for s in g)
     assert 0 < len(gathers) <= units
     gathers.clear()
-    monkeypatch.setattr(dapo, "gathered", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(dapo.load_memory_plan(), "gathered", lambda model: contextlib.nullcontext())
     per_token = dapo.generate(engine, prompts, 3, 12, 0.7, 1.0, [100, 200])
     assert len(gathers) >= 12 * (units - 1)
     assert [[s.ids for s in g] for g in once] == [[s.ids for s in g] for g in per_token]

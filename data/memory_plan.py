@@ -417,6 +417,55 @@ def glibc():
 PROC = "/proc/self"
 
 
+# --- FSDP2's memory and traffic, as dapo.py runs it (the plan above counts both) ---
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """FSDP2's units gathered once for the block, resharded after: generate runs a forward per
+    token, and each would gather every decoder layer again (with offload, copy its fp32 shard
+    from host memory). The root unit keeps its parameters after forward anyway."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    layers = [unit for unit in units if unit is not model]
+    for unit in layers:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in layers:
+            unit.set_reshard_after_forward(True, recurse=False)
+        for unit in units:
+            unit.reshard()
+
+
+def keep_gradients_until(model, cfg, layout, last):
+    """FSDP2 reduces the gradients after every micro-batch's backward and, offloaded, copies them
+    to host memory. On one GPU with offload the unsharded gradient is no larger than its shard:
+    it stays on the GPU until the mini-batch's last micro-batch (the plan counts it), a third
+    less host traffic. Elsewhere it would be world times the shard (131 GB at 32B)."""
+    if cfg.offload_optimizer and layout.world == 1 and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+
+
+# --- bf16 on CPU ---
+
+
+@torch.no_grad()
+def dither_bf16_(x):
+    """In place: a weight on the bf16 grid moves uniformly inside its rounding cell (bf16 sees
+    the same value), so an update shows in bf16 with probability |update| / ulp, not only
+    after the master drifts half an ulp (25 updates for the demo's median weight)."""
+    on_grid = (x == x.bfloat16().float()) & (x != 0)
+    # x = m 2^e, |m| in [0.5, 1); at a power of two, the finer cell below
+    _, exponent = torch.frexp(x * (1 - 2**-10))
+    # bf16 keeps 8 significant bits
+    half_ulp = torch.ldexp(torch.ones_like(x), exponent - 9)
+    x.add_((2 * torch.rand_like(x) - 1) * 0.999 * half_ulp * on_grid)
+
+
 def reset_peak_memory():
     """Resets the kernel's peak RSS (VmHWM), so perf/peak_rss_gb is this step's (Linux)."""
     if os.path.exists(os.path.join(PROC, "clear_refs")):
