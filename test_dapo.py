@@ -3445,6 +3445,88 @@ def test_readme_map_labels_exist_in_dapo():
     assert not missing, missing
 
 
+def test_readme_gives_each_cpu_one_wall_time_for_the_demo():
+    """README.md's wall times each name their CPU, and no CPU has two for plain `python dapo.py`.
+
+    The rule, line by line (a table row is one line), outside fenced code blocks (commands and
+    console output, such as tqdm's elapsed time):
+    - a wall time is `N min N s` (or `N min N-M s`, or `N min`), `N.N min`, `M:SS` (or
+      `M:SS-M:SS`), or a `{{..._WALL}}` placeholder still to be filled;
+    - its line must name exactly one CPU kind, by the keywords below;
+    - the line is plain `python dapo.py` when it holds the command in backticks with nothing
+      after it (`` `python dapo.py` ``); each CPU may have at most one such wall time in the file.
+    The bug: the README gave one CPU's demo three wall times (2 min 37 s in a caption that was
+    another command's, 3 min 37 s in a table, 3.6 min in the text)."""
+    cpus = {
+        "AMD EPYC family 26 model 2 (Zen 5)": r"Zen 5|family 26 model 2\b",
+        "AMD EPYC family 25 model 17 (Genoa)": r"Genoa|family 25 model 17\b",
+        "AMD EPYC family 25 model 1 (Milan)": r"Milan|family 25 model 1\b",
+        "Intel Xeon": r"Intel|Xeon",
+    }
+    wall = re.compile(r"\b\d+ min(?: \d+(?:-\d+)? s)?\b|\b\d+\.\d+ min\b"
+                      r"|\b\d{1,2}:\d{2}(?:-\d{1,2}:\d{2})?\b|\{\{[A-Z_]*WALL\}\}")
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    in_code = False
+    plain = {}
+    unnamed = []
+    for number, line in enumerate(lines, 1):
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+            continue
+        times = wall.findall(line)
+        if in_code or not times:
+            continue
+        named = [cpu for cpu, pattern in cpus.items() if re.search(pattern, line)]
+        if len(named) != 1:
+            unnamed.append((number, times, named))
+            continue
+        if "`python dapo.py`" in line:
+            plain.setdefault(named[0], []).extend(times)
+    assert not unnamed, f"wall times whose line names no CPU, or several: {unnamed}"
+    repeated = {cpu: times for cpu, times in plain.items() if len(times) > 1}
+    assert not repeated, f"more than one wall time for plain `python dapo.py`: {repeated}"
+
+
+def test_readme_flags_paths_license_and_first_screen():
+    """README.md names only flags dapo.py takes (a Config field or --preset; pip's and torchrun's
+    own flags excepted) and only files that exist (under data/, and the top-level files; runs/
+    is output), LICENSE holds the Apache License 2.0, and the README is at most 250 lines of at
+    most 100 characters (table rows and the one-line set-up commands excepted) with the test
+    command in its first 40 lines. The bugs: a README that names a renamed flag or a moved file,
+    and a newcomer who scrolls three screens to find how to run anything."""
+    import dataclasses
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    lines = readme.splitlines()
+    # (b) flags: pip's and torchrun's, in their own commands, are not dapo.py's
+    foreign = {"extra-index-url", "no-deps", "nproc_per_node", "nnodes", "node_rank",
+               "master_addr", "master_port"}
+    known = {f.name for f in dataclasses.fields(dapo.Config)} | {"preset"} | foreign
+    flags = set(re.findall(r"(?<![\w-])--([A-Za-z][\w-]*)", readme))
+    assert flags - known == set(), sorted(flags - known)
+    # (c) paths; globs and placeholders (*, {}, <>) name no one file
+    pattern = (r"(?<![\w/.-])(data/[\w./*{}<>=+-]+|dapo\.py|reward\.py|test_dapo\.py"
+               r"|requirements\.txt|LICENSE)")
+    paths = {path.rstrip(".,;:") for path in re.findall(pattern, readme)}
+    paths = {path for path in paths if not set("*{}<>") & set(path)}
+    missing = sorted(p for p in paths if not os.path.exists(os.path.join(ROOT, p)))
+    assert len(paths) >= 5 and not missing, missing
+    # (d) the full Apache License 2.0
+    with open(os.path.join(ROOT, "LICENSE"), encoding="utf-8") as f:
+        license_text = f.read()
+    assert license_text.split()[:6] == ["Apache", "License", "Version", "2.0,", "January", "2004"]
+    assert "END OF TERMS AND CONDITIONS" in license_text and len(license_text) > 10000
+    # (e) one screen to the commands; short lines
+    test_command = ("ruff check dapo.py reward.py test_dapo.py data/memory_plan.py && "
+                    "python -m pytest -q test_dapo.py")
+    assert len(lines) <= 250 and any(test_command in line for line in lines[:40])
+    long_lines = [n for n, line in enumerate(lines, 1) if len(line) > 100
+                  and not line.startswith("|") and not line.startswith("python3 -m venv")]
+    assert not long_lines, long_lines
+
+
 # =============================================================================
 # Layouts: rollout_tp chosen by the world size, checked against the model's heads
 # =============================================================================
