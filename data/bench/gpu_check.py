@@ -3,8 +3,9 @@
 
     python3 data/bench/gpu_check.py                # the trainer half, Qwen2.5-0.5B's shape
     python3 data/bench/gpu_check.py --step         # a whole DAPO step: dapo.py, 2 steps, resumed
-    python3 data/bench/gpu_check.py --dry          # CPU, a tiny Qwen2: the same code (a test
-    python3 data/bench/gpu_check.py --dry --step   #   runs both, without datasets and vLLM)
+    python3 data/bench/gpu_check.py --offload      # the 24 GB path: dapo_1.5b's shapes, offloaded
+    python3 data/bench/gpu_check.py --dry          # CPU, a tiny Qwen2: the same code (a test runs
+    python3 data/bench/gpu_check.py --dry --step --offload   # these, without datasets and vLLM)
 
 The trainer half, for --offload_optimizer false and true: a randomly initialised model built from
 data/qwen2.5-0.5b's config, FSDP2-sharded (bf16 parameters on a GPU), activation checkpointing and
@@ -67,7 +68,7 @@ STEP_FLAGS_DRY = ["--prompts_per_step", "4", "--group_size", "2", "--mini_batch_
                   "--max_prompt_len", "64", "--max_response_len", "8", "--overlong_buffer_len", "2",
                   "--micro_batch_tokens", "128", "--logp_chunk_tokens", "8"]
 EVAL_ROWS_DRY = 2
-# The 24 GB path (--step --offload): dapo_1.5b's shapes (Qwen2.5-Math-1.5B's config, random
+# The 24 GB path (--offload): dapo_1.5b's shapes (Qwen2.5-Math-1.5B's config, random
 # weights), the optimizer in host memory, the transformers engine (the lent machine has no vLLM),
 # one step of 16 prompts x 16 samples with responses cut to 256 tokens, 4 updates.
 OFFLOAD_FLAGS = ["--reward_mode", "last_number", "--max_prompt_len", "1024",
@@ -394,7 +395,7 @@ def main():
     parser.add_argument("--dry", action="store_true", help="CPU, a tiny model (the test)")
     parser.add_argument("--step", action="store_true", help="the whole step (dapo.py, 2 steps)")
     parser.add_argument("--offload", action="store_true",
-                        help="with --step: the 24 GB path (1.5B shapes, offload, one step)")
+                        help="the 24 GB path (1.5B shapes, offload, one step); after --step's")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per dapo.py run")
     args = parser.parse_args()
     if args.dry:
@@ -402,11 +403,11 @@ def main():
         # thread on 2 busy cores); dapo.py's processes inherit it
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    if args.step and args.offload:
-        offloaded_step(args.dry, args.timeout)
-    elif args.step:
+    if args.step:
         whole_step(args.dry, args.timeout)
-    else:
+    if args.offload:
+        offloaded_step(args.dry, args.timeout)
+    if not (args.step or args.offload):
         trainer_half(args.dry)
 
 

@@ -8,7 +8,7 @@
 #    padded micro-batches, tokens/s and peak memory per phase against the memory plan;
 # 2. data/bench/gpu_check.py --step: dapo.py itself, --engine transformers, on a random model of
 #    that shape: step 1 and its checkpoint, then resumed for step 2 and an evaluation;
-# 3. data/bench/gpu_check.py --step --offload: the 24 GB path, one step of dapo_1.5b's shapes
+# 3. data/bench/gpu_check.py --offload: the 24 GB path, one step of dapo_1.5b's shapes
 #    with the optimizer offloaded and the transformers engine (rollout tokens/s, update seconds,
 #    the plan's peak beside the measured one);
 # 4. the `-k cuda` tests (FSDP2 bf16 with and without offload, chunked head, DCP, memory plan).
@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
 timeout 120 "$PY" data/bench/gpu_check.py 2>&1 | tail -n 20 | tee "$out/trainer.txt"
 timeout 240 "$PY" data/bench/gpu_check.py --step --timeout 100 2>&1 | tail -n 40 \
     | tee "$out/step.txt"
-timeout 300 "$PY" data/bench/gpu_check.py --step --offload --timeout 240 2>&1 | tail -n 20 \
+timeout 300 "$PY" data/bench/gpu_check.py --offload --timeout 240 2>&1 | tail -n 20 \
     | tee "$out/offload_step.txt"
 timeout 180 "$PY" -m pytest -q -rs test_dapo.py -k cuda 2>&1 | tail -n 30 \
     | tee "$out/cuda_tests.txt"
