@@ -54,8 +54,10 @@ def timed(name, fn):
     return run
 
 
+# (an older dapo.py may lack a name: it is not timed)
 for function_name in PHASES:
-    setattr(dapo, function_name, timed(function_name, getattr(dapo, function_name)))
+    if hasattr(dapo, function_name):
+        setattr(dapo, function_name, timed(function_name, getattr(dapo, function_name)))
 log_metrics = dapo.log_metrics
 
 

@@ -305,20 +305,25 @@ def run_dapo(flags, timeout):
     return p.stdout, round(time.time() - start, 1)
 
 
-def whole_step(dry, timeout):
-    work = tempfile.mkdtemp()
-    config_dir = os.path.join(ROOT, "data", "qwen2.5-0.5b")
-    sizes = []
-    eval_rows = EVAL_ROWS
+def random_policy(work, config_dir, dry):
+    """A random model of config_dir's shape in work/model; dry: the tiny Qwen2 instead, with a
+    vocabulary that holds the tokenizer's ids. Returns (the config's folder, the model's)."""
     if dry:
-        # the tiny Qwen2 with a vocabulary that holds the tokenizer's ids
         config_dir = os.path.join(work, "tiny-qwen2")
         os.makedirs(config_dir)
         with open(os.path.join(config_dir, "config.json"), "w") as f:
             json.dump(dict(TINY, vocab_size=49152), f)
+    return config_dir, random_model.write_random_model(config_dir, os.path.join(work, "model"))
+
+
+def whole_step(dry, timeout):
+    work = tempfile.mkdtemp()
+    sizes = []
+    eval_rows = EVAL_ROWS
+    if dry:
         sizes = STEP_FLAGS_DRY
         eval_rows = EVAL_ROWS_DRY
-    model_dir = random_model.write_random_model(config_dir, os.path.join(work, "model"))
+    config_dir, model_dir = random_policy(work, os.path.join(ROOT, "data", "qwen2.5-0.5b"), dry)
     eval_data = os.path.join(work, "eval.jsonl")
     with open(os.path.join(ROOT, "data", "demo_eval.jsonl")) as f:
         rows = f.readlines()[:eval_rows]
@@ -357,15 +362,11 @@ def offloaded_step(dry, timeout):
     """One step of the 24 GB path: rollout tokens/s, the update's seconds, and the plan's peak
     beside the measured torch.cuda.max_memory_allocated (perf/gpu_peak_gib; none on CPU)."""
     work = tempfile.mkdtemp()
-    config_dir = os.path.join(ROOT, "data", "qwen2.5-math-1.5b")
     sizes = []
     if dry:
-        config_dir = os.path.join(work, "tiny-qwen2")
-        os.makedirs(config_dir)
-        with open(os.path.join(config_dir, "config.json"), "w") as f:
-            json.dump(dict(TINY, vocab_size=49152), f)
         sizes = OFFLOAD_FLAGS_DRY
-    model_dir = random_model.write_random_model(config_dir, os.path.join(work, "model"))
+    config_dir, model_dir = random_policy(work, os.path.join(ROOT, "data", "qwen2.5-math-1.5b"),
+                                          dry)
     out_dir = os.path.join(work, "run")
     flags = ["--model", model_dir, "--train_data", "data/demo_train.jsonl", "--engine",
              "transformers", *OFFLOAD_FLAGS, *sizes]
