@@ -3498,7 +3498,7 @@ def test_readme_flags_paths_license_and_first_screen():
         readme = f.read()
     lines = readme.splitlines()
     # (b) flags: pip's and torchrun's, in their own commands, are not dapo.py's
-    foreign = {"extra-index-url", "no-deps", "nproc_per_node", "nnodes", "node_rank",
+    foreign = {"extra-index-url", "index-url", "no-deps", "nproc_per_node", "nnodes", "node_rank",
                "master_addr", "master_port"}
     known = {f.name for f in dataclasses.fields(dapo.Config)} | {"preset"} | foreign
     flags = set(re.findall(r"(?<![\w-])--([A-Za-z][\w-]*)", readme))
