@@ -1618,7 +1618,7 @@ class Run:
 
     def begin_step(self, lr):
         self.t_step = time.time()
-        self.times = {"perf/push_s": 0.0}
+        self.times = {"perf/push_s": 0.0, "perf/old_logp_s": 0.0}
         self.metrics = {"step": self.state["step"] + 1, "loss/lr": lr}
 
     def end_update(self, sums, grad_norms, layout):
