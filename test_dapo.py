@@ -1497,33 +1497,12 @@ QWEN_7B = dict(
 )
 
 
-def test_estimate_memory_from_a_config_alone(tmp_path):
+def test_estimate_memory_from_a_config_alone(plans):
     """--estimate_memory 8 on a folder that holds only a config.json (Qwen2.5-7B's
     shape with 2 of its 28 layers): no weights, no GPU; the last line is one JSON
     object with the peak by phase, and the training phases hold the sharded
     fp32 state that FSDP2 over 8 GPUs implies."""
-    (tmp_path / "config.json").write_text(json.dumps(dict(QWEN_7B, num_hidden_layers=2)))
-    p = _run(
-        [
-            "--preset",
-            "dapo",
-            "--model",
-            str(tmp_path),
-            "--estimate_memory",
-            "8",
-            "--max_prompt_len",
-            "512",
-            "--max_response_len",
-            "1536",
-            "--overlong_buffer_len",
-            "512",
-            "--micro_batch_tokens",
-            "2048",
-            "--offload_optimizer",
-            "false",
-        ]
-    )
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = plans["config_alone"]
     params = 2 * (3584 * 152064) + 2 * (
         4 * 3584 * 3584 // 7 * 4 + 3 * 3584 * 18944
     )  # approximately
@@ -1543,12 +1522,7 @@ def test_estimate_memory_from_a_config_alone(tmp_path):
     # --engine transformers on one GPU: the rollout holds the policy gathered once in bf16
     # (2 bytes a parameter) and the KV cache of one generate batch (64 rows of 2,048 tokens,
     # 2 layers, K and V, 4 KV heads of 128, bf16); the training phases hold neither
-    flags = ["--estimate_memory", "1", "--engine", "transformers", "--bf16", "true"]
-    p = _run([
-        "--preset", "dapo", "--model", str(tmp_path), "--max_prompt_len", "512",
-        "--max_response_len", "1536", "--overlong_buffer_len", "512", "--micro_batch_tokens",
-        "2048", *flags])
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = plans["config_alone_transformers"]
     kv_cache = 64 * 2048 * 2 * 2 * 4 * 128 * 2
     assert out["phases"]["rollout"]["Engine"] == pytest.approx(
         (2 * out["params"] + kv_cache) / 2**30, abs=1e-3)
@@ -1641,7 +1615,7 @@ def test_check_fit_by_hand(monkeypatch):
     )  # no offload: 14.2 GiB of fp32 state beside the engine's 39.5
 
 
-def test_dapo_7b_preset_fits_one_node_and_its_window():
+def test_dapo_7b_preset_fits_one_node_and_its_window(plans):
     """--preset dapo_7b (Qwen2.5-Math-7B's config.json): prompt + response fit the model's 4,096
     positions, and on 8 x 80 GB it fits without optimizer offload, its host memory only the asleep
     engines' bf16 weights (8 x 2 bytes x 7.6B). The bug it guards against: a preset longer than its
@@ -1655,8 +1629,7 @@ def test_dapo_7b_preset_fits_one_node_and_its_window():
         and cfg.max_prompt_len + cfg.max_response_len <= window == 4096
     )
     assert not cfg.offload_optimizer and cfg.rollout_tp == 1
-    model = os.path.join(ROOT, "data", "qwen2.5-math-7b")
-    out = _estimate(["--preset", "dapo_7b", "--model", model, "--estimate_memory", "8"])
+    out = plans["dapo_7b"]
     assert (
         out["fits"]
         and out["peak_gib"] <= 80
@@ -1770,24 +1743,57 @@ def _tiny_args(model, out, *extra):
 
 
 def _run(args, timeout=300, env=None, check=True, script=("dapo.py",)):
-    p = subprocess.run(
-        [sys.executable, *script, *args],
-        env=env or _env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return _finish(_start(args, env, script), timeout, check)
+
+
+def _start(args, env=None, script=("dapo.py",)):
+    """`python *script *args` started now and read by _finish: a test's independent runs overlap
+    (a run's start-up, its imports and vLLM's, keeps one of the two cores busy)."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, *script, *args], env=env or _env(), stdout=out,
+                            stderr=err, text=True, cwd=ROOT)
+    return proc, out, err
+
+
+def _finish(started, timeout=300, check=True):
+    """A started run's CompletedProcess, once it ends (asserting it succeeded, with check)."""
+    proc, out, err = started
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    out.seek(0)
+    err.seek(0)
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
     if check:
         assert p.returncode == 0, _failure_text(p)
     return p
 
 
-def _estimate(flags):
-    """`python dapo.py *flags` for an --estimate_memory plan: its last line's JSON. A subprocess:
-    in this process the module fixtures' process group is up, and the plan would run on real
-    tensors."""
-    return json.loads(_run(flags).stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """The memory plans the tests read, made side by side (each a one-core simulation), by name:
+    the last line's JSON of `python dapo.py FLAGS`. Subprocesses: in this process the module
+    fixtures' process group is up, and the plan would run on real tensors."""
+    qwen = tmp_path_factory.mktemp("qwen_2_layers")  # a config.json alone
+    (qwen / "config.json").write_text(json.dumps(dict(QWEN_7B, num_hidden_layers=2)))
+    short = ["--preset", "dapo", "--model", str(qwen), "--max_prompt_len", "512",
+             "--max_response_len", "1536", "--overlong_buffer_len", "512",
+             "--micro_batch_tokens", "2048"]
+    qwen_7b = os.path.join(ROOT, "data", "qwen2.5-math-7b")
+    flags = {
+        "config_alone": [*short, "--estimate_memory", "8", "--offload_optimizer", "false"],
+        "config_alone_transformers": [*short, "--estimate_memory", "1", "--engine",
+                                      "transformers", "--bf16", "true"],
+        "dapo_7b": ["--preset", "dapo_7b", "--model", qwen_7b, "--estimate_memory", "8"],
+        # the README's one-GPU plan as typed
+        "one_gpu_24": ["--preset", "dapo_1.5b", "--estimate_memory", "1", "--gpu_gib", "24"],
+    }
+    started = {name: _start(args) for name, args in flags.items()}
+    return {name: json.loads(_finish(run).stdout.strip().splitlines()[-1])
+            for name, run in started.items()}
 
 
 def _metrics(out):
@@ -1943,8 +1949,26 @@ def _worker_layout(*argv):
     dapo.main(list(argv))
 
 
+@pytest.fixture(scope="module")
+def dynamic_sampling_runs(tiny_model, tmp_path_factory):
+    """The scripted-reward run below in fp32 and in bf16, side by side: their folders by --bf16."""
+    folders = {bf16: tmp_path_factory.mktemp(f"dynamic_sampling_bf16_{bf16}")
+               for bf16 in ("false", "true")}
+    started = [
+        _start(_tiny_args(tiny_model, out, "--bf16", bf16, "--dynamic_sampling", "true",
+                          "--prompts_per_step", "5", "--gen_prompts_per_round", "4",
+                          "--max_gen_rounds", "8", "--mini_batch_prompts", "5",
+                          "--save_every", "1", "--keep_checkpoints", "1"),
+               script=["test_dapo.py", "scripted_main"])
+        for bf16, out in folders.items()
+    ]
+    for run in started:
+        _finish(run)
+    return folders
+
+
 @pytest.mark.parametrize("bf16", ["false", "true"])
-def test_end_to_end_dynamic_sampling_refills_and_trims(tiny_model, tmp_path, bf16):
+def test_end_to_end_dynamic_sampling_refills_and_trims(dynamic_sampling_runs, bf16):
     """Through main, vLLM sampling, in fp32 and in bf16 (autocast and a bf16 engine), with a
     scripted reward: two informative groups in every 4 prompts, rounds of 4 prompts, a batch of 5
     groups. So each step needs exactly 3 rounds: round 1 keeps 2, round 2 refills to 4, round 3
@@ -1953,29 +1977,7 @@ def test_end_to_end_dynamic_sampling_refills_and_trims(tiny_model, tmp_path, bf1
     keep_checkpoints 1 with 2 saves leaves the last one, complete and loadable, its HF folder in the
     run's dtype (config.json says so). The bug: an fp32 run exported bf16 weights, rounding its
     small updates away (eval 0.83 in the run, 0.58 after)."""
-    _run(
-        _tiny_args(
-            tiny_model,
-            tmp_path,
-            "--bf16",
-            bf16,
-            "--dynamic_sampling",
-            "true",
-            "--prompts_per_step",
-            "5",
-            "--gen_prompts_per_round",
-            "4",
-            "--max_gen_rounds",
-            "8",
-            "--mini_batch_prompts",
-            "5",
-            "--save_every",
-            "1",
-            "--keep_checkpoints",
-            "1",
-        ),
-        script=["test_dapo.py", "scripted_main"],
-    )
+    tmp_path = dynamic_sampling_runs[bf16]
     ms = _metrics(tmp_path)
     assert [m["step"] for m in ms] == [1, 2]
     train_set = [json.loads(line) for line in open(os.path.join(ROOT, "data", "demo_train.jsonl"))]
@@ -2020,15 +2022,7 @@ RESUME_ARGS = ["--steps", "3", "--save_every", "1", "--keep_checkpoints", "3",
                "--warmup_steps", "4"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_run(tiny_model, tmp_path_factory):
-    """The 3-step run the crash test compares with."""
-    a = tmp_path_factory.mktemp("uninterrupted")
-    _run(_tiny_args(tiny_model, a, *RESUME_ARGS))
-    return a
-
-
-def test_resume_after_kills_matches_uninterrupted(tiny_model, tmp_path, uninterrupted_run):
+def test_resume_after_kills_matches_uninterrupted(tiny_model, tmp_path):
     """SIGKILL in the middle of a checkpoint save (step 2), --resume; SIGKILL again in the middle
     of a step (step 3), --resume: after each kill the last complete checkpoint is intact, and the
     run continues exactly as the uninterrupted one: same prompts, lr and weights (each prompt's
@@ -2036,7 +2030,8 @@ def test_resume_after_kills_matches_uninterrupted(tiny_model, tmp_path, uninterr
     with no complete checkpoint, only a stale, incomplete step_000001: it starts from step 0 and
     its save of step 1 replaces the stale folder (the bug: os.replace onto a non-empty folder
     raised ENOTEMPTY at the first save)."""
-    a, b = uninterrupted_run, tmp_path / "b"
+    a, b = tmp_path / "a", tmp_path / "b"
+    uninterrupted = _start(_tiny_args(tiny_model, a, *RESUME_ARGS))  # beside the first kill
     stale = b / "ckpt" / "step_000001"
     stale.mkdir(parents=True)
     (stale / "junk").write_text("from an older run")
@@ -2046,6 +2041,7 @@ def test_resume_after_kills_matches_uninterrupted(tiny_model, tmp_path, uninterr
         p = _run(_tiny_args(tiny_model, b, *RESUME_ARGS, *resume),
                  env=dict(_env(), DAPO_FAULT=fault), check=False)
         assert p.returncode == -9, (fault, p.stderr[-3000:])  # killed where the fault says
+        _finish(uninterrupted)
         assert sorted(os.listdir(b / "ckpt")) == left
         assert sorted(os.listdir(stale)) == ["dcp", "hf", "trainer_state.json"]
         last = [n for n in left if not n.endswith(".tmp")][-1]
@@ -2627,24 +2623,30 @@ BAD_DATA = {  # a bad-input class -> (file contents, the one line that names it)
 }
 
 
+@pytest.fixture(scope="module")
+def bad_data_runs(tiny_model, tmp_path_factory):
+    """Each BAD_DATA case's file, and its run (below) started side by side: case -> (file, run)."""
+    runs = {}
+    for i, (case, (contents, _)) in enumerate(BAD_DATA.items()):
+        folder = tmp_path_factory.mktemp(f"bad_data_{i}")
+        (folder / "train.jsonl").write_text(contents)
+        args = _tiny_args(tiny_model, folder / "out", "--train_data", str(folder / "train.jsonl"))
+        runs[case] = (folder / "train.jsonl",
+                      _start(args, env=_console_env(), script=(__file__, "no_engine")))
+    return {case: (path, _finish(run, check=False)) for case, (path, run) in runs.items()}
+
+
 @pytest.mark.parametrize("case", BAD_DATA)
-def test_bad_data_is_one_line_naming_file_and_line(tiny_model, tmp_path, case):
+def test_bad_data_is_one_line_naming_file_and_line(bad_data_runs, case):
     """Through dapo.main with the engine's start replaced by a failure: a bad
     training file ends in one line on stderr naming the file and the line as
     an editor numbers it (1-based, blank lines counted), a non-zero exit and
     no traceback, before the engine is built. The bugs: 71 lines of pyarrow
     traceback through `datasets` for a malformed line, "row 0" for the file's
     line 1, and the data read only after vLLM's start-up (minutes on a GPU)."""
-    contents, message = BAD_DATA[case]
-    (tmp_path / "train.jsonl").write_text(contents)
-    p = _run(
-        _tiny_args(tiny_model, tmp_path / "out", "--train_data", str(tmp_path / "train.jsonl")),
-        check=False,
-        env=_console_env(),
-        script=(__file__, "no_engine"),
-    )
+    path, p = bad_data_runs[case]
     assert p.returncode != 0
-    assert p.stderr.strip() == f"dapo: {tmp_path / 'train.jsonl'}{message}"
+    assert p.stderr.strip() == f"dapo: {path}{BAD_DATA[case][1]}"
 
 
 def _worker_no_engine(*argv):
@@ -3229,10 +3231,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocked), env.get("PYTHONPATH")]))
     reports = []
-    for part in (["--dry"], ["--dry", "--step", "--offload"]):
-        p = subprocess.run([sys.executable, "data/bench/gpu_check.py", *part], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    started = [_start(part, env, script=["data/bench/gpu_check.py"])
+               for part in (["--dry"], ["--dry", "--step", "--offload"])]
+    for run in started:
+        p = _finish(run)
         # each part's report is one JSON object (the plan prints its own, {"model": ...})
         reports += [json.loads(line) for line in p.stdout.splitlines()
                     if line.startswith(('{"device"', '{"torch"'))]
@@ -3621,7 +3623,7 @@ def test_plain_run_picks_the_preset_for_the_machine(monkeypatch, capsys):
     assert "running the 'cpu' preset" in capsys.readouterr().out
 
 
-def test_one_gpu_preset_fits_24_gb_and_its_window():
+def test_one_gpu_preset_fits_24_gb_and_its_window(plans):
     """The README's one-GPU plan as typed: `python dapo.py --preset dapo_1.5b --estimate_memory 1
     --gpu_gib 24` (offline it reads the config shipped in data/qwen2.5-math-1.5b/) fits with
     optimizer offload, inside the model's 4,096 positions; without offload it does not (fp32
@@ -3630,8 +3632,7 @@ def test_one_gpu_preset_fits_24_gb_and_its_window():
     with open(os.path.join(ROOT, "data", "qwen2.5-math-1.5b", "config.json")) as f:
         window = json.load(f)["max_position_embeddings"]
     assert cfg.max_prompt_len + cfg.max_response_len <= window == 4096 and cfg.offload_optimizer
-    flags = ["--preset", "dapo_1.5b", "--estimate_memory", "1", "--gpu_gib", "24"]
-    out = _estimate(flags)
+    out = plans["one_gpu_24"]
     assert out["fits"] and out["peak_gib"] <= 24 and out["params"] == 1543714304
     # offloaded: the engine takes 0.9 of the GPU, its KV cache what its bf16 weights leave
     assert out["engine_mem"] == 0.9
@@ -3847,12 +3848,17 @@ def test_steps_0_scores_an_intermediate_checkpoint_in_both_engines(no_vllm_run, 
     ms, out, _, env = no_vllm_run
     folder = out / "ckpt" / "step_000001" / "hf"
     assert (folder / "config.json").exists() and (out / "ckpt" / "step_000002" / "hf").exists()
+    started = {
+        engine: _start(["--preset", "cpu", "--model", str(folder), "--steps", "0", "--engine",
+                        engine, "--eval_k", "2", "--max_response_len", "16",
+                        "--overlong_buffer_len", "4", "--bf16", "false",
+                        "--engine_kv_cache_gb", "0.25", "--out_dir", str(tmp_path / engine)],
+                       env=run_env)
+        for engine, run_env in (("transformers", env), ("vllm", _console_env()))
+    }
     scores = {}
-    for engine, run_env in (("transformers", env), ("vllm", _console_env())):
-        p = _run(["--preset", "cpu", "--model", str(folder), "--steps", "0", "--engine", engine,
-                  "--eval_k", "2", "--max_response_len", "16", "--overlong_buffer_len", "4",
-                  "--bf16", "false", "--engine_kv_cache_gb", "0.25",
-                  "--out_dir", str(tmp_path / engine)], env=run_env)
+    for engine, run in started.items():
+        p = _finish(run)
         (m,) = _metrics(tmp_path / engine)
         assert m["step"] == 0 and m["eval/problems"] == 32, p.stdout
         assert not os.path.exists(tmp_path / engine / "ckpt")
