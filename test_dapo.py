@@ -1829,9 +1829,8 @@ KEYS = [
 def one_rank_run(tiny_model, tmp_path_factory):
     """Two steps of dapo.py through vLLM under plain `python`, two updates a step."""
     out = tmp_path_factory.mktemp("one_rank")
-    env = {
-        k: v for k, v in _env().items() if k != "VLLM_LOGGING_LEVEL"
-    }  # the user's default console
+    # the user's default console; a cache of its own for what torch.compile would build
+    env = dict(_console_env(), TORCHINDUCTOR_CACHE_DIR=str(out / "compiled"))
     p = _run(_tiny_args(tiny_model, out), env=env)
     return _metrics(out), out, p.stdout + p.stderr
 
@@ -1839,8 +1838,10 @@ def one_rank_run(tiny_model, tmp_path_factory):
 def test_end_to_end_vllm_one_rank(one_rank_run):
     """Two full steps, two updates each (so the old-log-prob pass runs and the
     second update is off-policy): guards against the loop breaking anywhere
-    between rollout and weight push, and against a stale engine."""
+    between rollout and weight push, and against a stale engine. Nothing is compiled (vLLM's
+    sampler compiled two kernels with g++ at the first rollout: seconds on a fresh CPU)."""
     ms, out, console = one_rank_run
+    assert not [files for _, _, files in os.walk(out / "compiled") if files]
     assert [m["step"] for m in ms] == [1, 2]
     for m in ms:
         assert all(k in m for k in KEYS), sorted(set(KEYS) - set(m))
@@ -3875,6 +3876,7 @@ def test_glibc_proc_and_cpu_probes_absent(monkeypatch, tmp_path):
 
     plan = dapo.load_memory_plan()
     layout = _layout()
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
     for libc in (OSError("no C library by that name"), object()):  # Windows; macOS libc
 
         def cdll(name, libc=libc):
@@ -3885,6 +3887,7 @@ def test_glibc_proc_and_cpu_probes_absent(monkeypatch, tmp_path):
         monkeypatch.setattr(ctypes, "CDLL", cdll)
         assert plan.glibc() is None
         plan.cpu_setup(layout)
+        assert torch._dynamo.config.disable  # vLLM runs eagerly on CPU: its sampler too
     monkeypatch.setattr(plan, "PROC", str(tmp_path / "no_proc"))
     plan.reset_peak_memory()
     assert plan.memory_metrics(layout) == {}

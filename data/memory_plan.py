@@ -391,7 +391,11 @@ def cpu_setup(layout):
     """On CPU glibc keeps freed memory within a step: by default each freed block over 32 MB
     was page-faulted in again (28% of the demo's CPU time). memory_metrics trims the heap after
     each step. The kernel-cache caps set at import: at 1,024 kernels per shape (the default)
-    oneDNN's and ideep's caches grew the heap 60-130 MB a step."""
+    oneDNN's and ideep's caches grew the heap 60-130 MB a step. And no torch.compile: vLLM on
+    CPU runs eagerly (enforce_eager) but compiled two sampler kernels with g++ at first use,
+    6.4 s of a tiny run's first rollout from a fresh cache (1.7 s warm)."""
+    if layout.device.type == "cpu":
+        torch._dynamo.config.disable = True
     libc = glibc()
     if layout.device.type != "cpu" or libc is None:
         return
