@@ -1141,6 +1141,7 @@ def _worker_push(model_dir, out, tp, cores=None):
         offload_optimizer=False,
     )
     d = dapo.init_distributed(cfg)
+    dapo.load_memory_plan().cpu_setup(d)  # as start() does
     tok, model = dapo.load_policy(cfg, d)
     before = torch.get_num_threads()
     engine = dapo.make_engine(cfg, d)
