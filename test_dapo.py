@@ -855,11 +855,7 @@ def _torchrun(n, *args, timeout=300, env=None, check=True):
     (CI once saw gloo abort a rank on a reset connection; 25 repeats here never did) runs once
     more, the first failure kept as a warning; a rank's Python error is never run again."""
     for attempt in (1, 2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-               "--master_port", str(_free_port()), *args]
-        p = subprocess.run(
-            cmd, env=env or _env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-        )
+        p = _finish(_start_torchrun(n, *args, env=env), timeout, check=False)
         root_cause = p.stderr.rpartition("Root Cause (first observed failure)")[2]
         if not (check and p.returncode and attempt == 1 and "exitcode  : -" in root_cause):
             break
@@ -868,6 +864,13 @@ def _torchrun(n, *args, timeout=300, env=None, check=True):
     if check:
         assert p.returncode == 0, _failure_text(p)
     return p
+
+
+def _start_torchrun(n, *args, env=None):
+    """torchrun over n CPU ranks, started now and read by _finish (no second launch)."""
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+                str(_free_port())]
+    return _start([*launcher, *args], env, script=())
 
 
 def test_torchrun_runs_again_only_after_a_signal(tmp_path):
@@ -1376,18 +1379,31 @@ def _worker_offload(model_dir, out):
     torch.distributed.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def reshard_runs(tiny_model, tmp_path_factory):
+    """Both directions of the test below side by side, saves then loads: (saver, loader) ->
+    the loader's report."""
+    folders = {worlds: tmp_path_factory.mktemp(f"reshard_{worlds[0]}_to_{worlds[1]}")
+               for worlds in ((2, 1), (1, 2))}
+    for phase, ranks in (("save", 0), ("load", 1)):
+        started = [_start_torchrun(worlds[ranks], __file__, "reshard", tiny_model, str(folder),
+                                   phase) for worlds, folder in folders.items()]
+        for run in started:
+            _finish(run)
+    return {worlds: json.loads((folder / "reshard.json").read_text())
+            for worlds, folder in folders.items()}
+
+
 @pytest.mark.parametrize("worlds", [(2, 1), (1, 2)])
-def test_resume_on_another_world_size(tiny_model, tmp_path, worlds):
+def test_resume_on_another_world_size(reshard_runs, worlds):
     """A checkpoint saved on 2 ranks loads on 1, and one saved on 1 loads on
     2: every weight and every AdamW moment and step count equal the saved
     ones exactly (DCP reshards them), the step, data position and scheduler
     carry over, and each DP rank gets its own RNG stream. The bug: per-rank
     RNG files (rng_rank1.pt missing) stopped a resume on another world size;
     now no RNG state is saved (training draws none), each DP rank's re-derived."""
-    saver, loader = worlds
-    _torchrun(saver, __file__, "reshard", tiny_model, str(tmp_path), "save")
-    _torchrun(loader, __file__, "reshard", tiny_model, str(tmp_path), "load")
-    r = json.loads((tmp_path / "reshard.json").read_text())
+    loader = worlds[1]
+    r = reshard_runs[worlds]
     assert (
         r["n_tensors"] > 20
         and r["equal"]
@@ -1660,10 +1676,13 @@ def test_estimate_memory_matches_the_real_micro_step(tiny_model, tmp_path):
     """The simulated estimate (fake tensors and process group) against the same
     two micro-steps on real tensors, at world 1 and 2: each phase's peak within
     15% (the issue's bar), so the README's plan is measured, not guessed."""
+    started = [_start_torchrun(world, __file__, "estimate", tiny_model,
+                               str(tmp_path / f"est{world}.json")) for world in (1, 2)]
+    for run in started:
+        _finish(run)
     r = {}
     for world in (1, 2):
-        _torchrun(world, __file__, "estimate", tiny_model, str(tmp_path / "est.json"))
-        r[world] = json.loads((tmp_path / "est.json").read_text())
+        r[world] = json.loads((tmp_path / f"est{world}.json").read_text())
         for phase, real in r[world]["real"].items():
             assert r[world]["fake"][phase] == pytest.approx(real, rel=0.15), (world, phase)
     assert (
