@@ -2040,7 +2040,7 @@ def _weights(folder):
 
 
 RESUME_ARGS = ["--steps", "3", "--save_every", "1", "--keep_checkpoints", "3",
-               "--warmup_steps", "4"]
+               "--warmup_steps", "4", "--engine", "transformers"]
 
 
 def test_resume_after_kills_matches_uninterrupted(tiny_model, tmp_path):
@@ -2050,7 +2050,8 @@ def test_resume_after_kills_matches_uninterrupted(tiny_model, tmp_path):
     samples are seeded by its stream position). The first run is already --resume over a folder
     with no complete checkpoint, only a stale, incomplete step_000001: it starts from step 0 and
     its save of step 1 replaces the stale folder (the bug: os.replace onto a non-empty folder
-    raised ENOTEMPTY at the first save)."""
+    raised ENOTEMPTY at the first save). The transformers engine: a run takes a third of a vLLM
+    run's time; test_tensor_x_data_parallel_on_four_ranks checks a resumed vLLM engine's push."""
     a, b = tmp_path / "a", tmp_path / "b"
     uninterrupted = _start(_tiny_args(tiny_model, a, *RESUME_ARGS))  # beside the first kill
     stale = b / "ckpt" / "step_000001"
