@@ -443,15 +443,35 @@ def test_bf16_dither_keeps_bf16_values_and_shows_small_updates():
 # --- a tiny random Llama with SmolLM2's tokenizer, built once per session ---
 
 
+@pytest.fixture(scope="session", autouse=True)
+def demo_model():
+    """The demo model's folder, converted from the shipped GGUF once a clone (about 20 s on one
+    core) beside the tests that do not need it: started with the session, waited for by the
+    tests that use it (and at the session's end)."""
+    path = dapo.PRESETS["cpu"]["model"]
+    started = None
+    if not os.path.exists(os.path.join(ROOT, path, "config.json")):
+        started = _start(["--model", path], env=dict(_env(), TQDM_DISABLE="1"),
+                         script=["data/make_demo_data.py"])
+
+    def wait():
+        if started is not None and started[0].returncode is None:
+            _finish(started)
+        return path
+
+    yield wait
+    wait()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
-    """Hugging Face folder of a 2-layer Llama (vLLM loads it too)."""
+    """Hugging Face folder of a 2-layer Llama (vLLM loads it too), with the demo's tokenizer
+    (data/tokenizer: the converted model's, ids and chat template alike)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    dapo.ensure_demo_model(dapo.PRESETS["cpu"]["model"])  # converts the shipped GGUF once
     path = os.path.join(ROOT, "models", "tiny-llama")
     if not os.path.exists(os.path.join(path, "config.json")):
-        tok = AutoTokenizer.from_pretrained(dapo.PRESETS["cpu"]["model"])
+        tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "tokenizer"))
         cfg = LlamaConfig(
             vocab_size=len(tok),
             hidden_size=128,
@@ -3611,10 +3631,11 @@ def test_valid_rollout_tps_by_hand(heads, kv_heads, world, valid):
     assert dapo.load_memory_plan().valid_rollout_tps(heads, kv_heads, world) == valid
 
 
-def test_layout_the_model_cannot_take_is_one_line(tmp_path):
+def test_layout_the_model_cannot_take_is_one_line(demo_model, tmp_path):
     """SmolLM2-135M (9 heads, 3 KV heads) on 2 ranks with --rollout_tp 2: one line naming both
     numbers and the values that work, before any weight loads. The bug: four tracebacks from
     vLLM's own config check, one per rank."""
+    demo_model()  # its config.json
     p = _torchrun(2, "dapo.py", "--preset", "cpu", "--rollout_tp", "2", "--out_dir",
                   str(tmp_path), check=False, env=_console_env())
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("dapo: --rollout")]
