@@ -566,7 +566,7 @@ MODEL_PRESETS = {
         overlong_buffer_len=1024, rollout_tp=1, prompts_per_step=32, gen_prompts_per_round=96,
         mini_batch_prompts=8, micro_batch_tokens=8192, warmup_steps=10, eval_every=20,
     ),
-    # SmolLM2-135M on the addition demo: 2 min 25 s on a 2-core Zen 5 (README, "Results").
+    # SmolLM2-135M on the addition demo: 2 min 20 s on a 2-core Zen 5 (README, "Results").
     "cpu": dict(
         model="models/SmolLM2-135M-Instruct", train_data="data/demo_train.jsonl",
         eval_data="data/demo_eval.jsonl", reward_mode="last_number",
