@@ -1839,7 +1839,8 @@ def quiet_libraries():
     # read when the engine starts
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
-    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecations inside vLLM
+    # deprecations inside vLLM
+    warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\n"
     # datasets' bars without importing it (only hub ids and parquet need it; may be absent)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
