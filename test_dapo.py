@@ -875,7 +875,7 @@ def _torchrun(n, *args, timeout=300, env=None, check=True):
     (CI once saw gloo abort a rank on a reset connection; 25 repeats here never did) runs once
     more, the first failure kept as a warning; a rank's Python error is never run again."""
     p = _finish(_start_torchrun(n, *args, env=env), timeout, check=False)
-    if check and _died_of_signal(p):
+    if check and _needs_rerun(p):
         p = _finish(_start_torchrun(n, *args, env=env), timeout, check=False)
     if check:
         assert p.returncode == 0, _failure_text(p)
@@ -887,7 +887,7 @@ def _torchruns(*launches, timeout=300):
     died of a signal runs once more (alone), any other failure fails the test."""
     started = [(launch, _start_torchrun(*launch)) for launch in launches]
     for launch, run in started:
-        if _died_of_signal(_finish(run, timeout, check=False)):
+        if _needs_rerun(_finish(run, timeout, check=False)):
             _finish(_start_torchrun(*launch), timeout)
 
 
@@ -898,9 +898,9 @@ def _start_torchrun(n, *args, env=None):
     return _start([*launcher, *args], env, script=())
 
 
-def _died_of_signal(p):
-    """True (with a warning holding its output) when a launch's first failed rank died of a
-    signal; False when it succeeded; any other failure fails the test here."""
+def _needs_rerun(p):
+    """A finished launch: True, with a warning holding its output, when its first failed rank died
+    of a signal; False when it succeeded; any other failure fails the test here."""
     root_cause = p.stderr.rpartition("Root Cause (first observed failure)")[2]
     if p.returncode and "exitcode  : -" in root_cause:
         warnings.warn(f"torchrun: a rank died of a signal; run again:\n{_failure_text(p)}",
